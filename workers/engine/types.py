@@ -1,0 +1,66 @@
+"""Records that cross between the scheduler and the workers.
+
+They are plain dataclasses of Python lists and ints (tensors only where a draft carries q), so the
+same objects travel through Ray's object store or are passed in-process by the engine benchmark.
+Words follow the glossary: drafted, accepted, recovered, bonus, step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.core.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """Per-request speculation settings, already clamped to the operator's bounds."""
+
+    gamma: int = 4                # draft length budget (upper bound for the γ policy)
+    policy: str = "fixed"         # key of workers.core.gamma.GAMMA_POLICIES
+    tree_width: int = 1           # 1 = chain; >1 = token tree with this many first-level children
+    enabled: bool = True          # False = target-only decoding (the baseline)
+
+
+@dataclass
+class NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    spec: SpecParams = field(default_factory=SpecParams)
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class DraftItem:
+    """Ask the drafter for one step of one request. `commit` carries the previous step's outcome so the
+    drafter rolls back and appends the target's tokens in the same call (one round trip per step)."""
+
+    request_id: str
+    gamma: int                                  # planned draft length; 0 = no drafting this step
+    commit_accepted: int = 0                    # accepted drafts of the previous step
+    commit_tokens: list[int] = field(default_factory=list)  # accepted drafts + recovered/bonus token
+
+
+@dataclass
+class Draft:
+    request_id: str
+    tokens: list[int]                           # drafted tokens (len <= planned gamma)
+    probs: torch.Tensor | None = None           # [len(tokens), vocab] q, None when drafts are deterministic
+    parents: list[int] | None = None            # tree: parent per node (node 0 = root); None = chain
+    drafter_version: str = ""
+
+
+@dataclass
+class VerifyResult:
+    request_id: str
+    num_drafted: int
+    num_accepted: int
+    new_tokens: list[int]                       # accepted drafts + one recovered or bonus token
+    is_bonus: bool
+    accepted_nodes: list[int] | None = None     # tree only: accepted node indices
+    teacher_topk_ids: list[list[int]] | None = None      # [len(new_tokens)][k], for replay records
+    teacher_topk_logprobs: list[list[float]] | None = None
