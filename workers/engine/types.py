@@ -48,6 +48,10 @@ class DraftItem:
 @dataclass
 class Draft:
     request_id: str
+    """A chain (parents None) or a token tree. For a tree, node 0 is the root (the target's pending
+    token, not in `tokens`), node i >= 1 is tokens[i-1], parents has len(tokens) + 1 entries with
+    parents[0] = -1, and probs row i-1 is q_child of node i (the distribution node i was drafted from)."""
+
     tokens: list[int]                           # drafted tokens (len <= planned gamma)
     probs: torch.Tensor | None = None           # [len(tokens), vocab] q, None when drafts are deterministic
     parents: list[int] | None = None            # tree: parent per node (node 0 = root); None = chain
@@ -62,5 +66,6 @@ class VerifyResult:
     new_tokens: list[int]                       # accepted drafts + one recovered or bonus token
     is_bonus: bool
     accepted_nodes: list[int] | None = None     # tree only: accepted node indices
+    depth: int | None = None                    # tree only: its number of levels (chain: None)
     teacher_topk_ids: list[list[int]] | None = None      # [len(new_tokens)][k], for replay records
     teacher_topk_logprobs: list[list[float]] | None = None

@@ -1,0 +1,144 @@
+"""The one interface every drafter implements (model drafter, n-gram drafter, ...).
+
+A drafter keeps per-request context. Each step the scheduler asks it to `propose` up to γ draft tokens per
+request, the target verifies them, and `commit` hands back the verified outcome: the accepted drafts plus
+the recovered or bonus token. The drafter then rolls back to the verified prefix (dropping whatever it
+drafted past the first rejection) and continues from the target's token, so rollback is exact.
+
+Drafts are either sampled from a distribution q (the model drafter: `probs` carries q so the verifier can
+accept with min(1, p/q) and sample the recovered token from norm(max(0, p - q))) or deterministic (the
+n-gram drafter: `probs` is None and the verifier treats q as one-hot on the drafted token).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from workers.core.gamma import GammaPolicy, GammaState
+    from workers.core.sampling import SamplingParams
+
+
+@dataclass
+class DraftProposal:
+    """Chain drafts for a batch of requests.
+
+    tokens[i] holds request i's drafts; its length is the drafted count, which may be below the planned γ
+    (a γ policy stopped early, or the n-gram drafter found no match). probs[i, j] is the q that draft j of
+    request i was sampled from; rows at j >= len(tokens[i]) are padding and must be ignored.
+    """
+
+    tokens: list[list[int]]
+    probs: torch.Tensor | None = None  # [batch, max γ of the batch, vocab]; None = deterministic (one-hot)
+    drafter_version: str = ""
+
+    @property
+    def num_drafted(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+
+@dataclass
+class DraftTree:
+    """Token-tree drafts for a batch of requests, nodes in topological order (a parent before its children).
+
+    Numbering follows workers.core.tree.TokenTree, whose node 0 is the root (the last committed token) and
+    whose node n + 1 is draft n: parents[i][n] is the tree index of draft n's parent (0 = the root, k = draft
+    k - 1), so TokenTree(tokens=[root, *tokens[i]], parents=[-1, *parents[i]]) is request i's tree. A chain
+    has parents [0, 1, 2, ...]. probs[i, n] is the q draft n was drafted from (its parent's distribution, so
+    siblings share it); the root has no row.
+    """
+
+    tokens: list[list[int]]
+    parents: list[list[int]]
+    probs: torch.Tensor | None = None  # [batch, max nodes of the batch, vocab]; None = deterministic
+    drafter_version: str = ""
+
+
+class Drafter(ABC):
+    """Proposes draft tokens for many requests at once; see the module docstring for the step protocol.
+
+    name is the registry key (set by `register_drafter`); version identifies the weights (or settings) that
+    proposed a step and is recorded per step in the statistics and replay records.
+    """
+
+    name: ClassVar[str] = ""
+    version: str = ""
+
+    @classmethod
+    @abstractmethod
+    def from_config(
+        cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0
+    ) -> Drafter:
+        """Build from a DrafterConfig (configs/schema.py); each drafter reads the keys it needs."""
+
+    def max_slots(self) -> int:
+        """How many requests it can hold at once (model drafters have a KV cache of fixed size)."""
+        return 1 << 30
+
+    @abstractmethod
+    def add_request(self, request_id: str, prompt_tokens: list[int], seed: int | None = None) -> None:
+        """Start tracking a request whose context is prompt_tokens; seed makes sampled drafts reproducible."""
+
+    @abstractmethod
+    def propose(
+        self,
+        request_ids: list[str],
+        gammas: list[int],
+        params: list[SamplingParams],
+        policy: GammaPolicy | None = None,
+        states: list[GammaState] | None = None,
+    ) -> DraftProposal:
+        """Draft up to gammas[i] tokens for each request.
+
+        params[i] gives the logits processing (temperature, top-k, top-p) that q must share with the target.
+        When policy and states are given the drafter asks policy.keep_drafting(states[i], drafted, q_row)
+        after each drafted token and stops that request early when it says no (EGAG).
+        """
+
+    @abstractmethod
+    def commit(self, request_id: str, num_accepted: int, new_tokens: list[int]) -> None:
+        """Apply a verified step: new_tokens = num_accepted accepted drafts + the recovered or bonus token.
+
+        The drafter rolls back to the verified prefix and appends new_tokens, so its next proposal continues
+        from the target's token.
+        """
+
+    @abstractmethod
+    def remove_request(self, request_id: str) -> None:
+        """Forget a finished or aborted request and free its state."""
+
+    def propose_tree(
+        self,
+        request_ids: list[str],
+        depths: list[int],
+        widths: list[int],
+        params: list[SamplingParams],
+        policy: GammaPolicy | None = None,
+        states: list[GammaState] | None = None,
+    ) -> DraftTree:
+        """Draft a token tree of depths[i] levels and up to widths[i] candidates per level.
+
+        Default for drafters without branching: a chain of depths[i] tokens (width ignored), which the tree
+        verifier handles like any other tree. Drafters that can branch (the model drafter, from its top-w
+        candidates) override this.
+        """
+        chain = self.propose(request_ids, depths, params, policy=policy, states=states)
+        parents = [list(range(len(tokens))) for tokens in chain.tokens]
+        return DraftTree(
+            tokens=chain.tokens, parents=parents, probs=chain.probs, drafter_version=chain.drafter_version
+        )
+
+
+def check_batch(request_ids: list[str], gammas: list[int], params: list | None = None) -> None:
+    """Raise ValueError when the per-request lists of a propose call disagree in length or γ < 0."""
+    if len(gammas) != len(request_ids) or (params is not None and len(params) != len(request_ids)):
+        raise ValueError(
+            f"propose got {len(request_ids)} request ids, {len(gammas)} gammas"
+            + ("" if params is None else f", {len(params)} sampling params")
+        )
+    if any(g < 0 for g in gammas):
+        raise ValueError(f"gammas must be >= 0, got {gammas}")

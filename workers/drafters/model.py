@@ -1,0 +1,281 @@
+"""The model drafter: a small Llama (its own KV cache, often a reduced-vocabulary head) proposes drafts.
+
+Per request the drafter's cache holds the committed context except its newest tokens, the *feed*:
+they enter the cache at the start of the next proposal, in the same forward that yields the first
+draft's q. Drafts are fed one at a time; after verification the cache rolls back to the verified
+prefix and the target's token joins the feed, so rollback is exact and nothing is recomputed.
+
+A reduced head gives logits over V_sub target ids; logits processing on those equals processing the
+full vocabulary with -inf elsewhere, so q is computed small and scattered to the full vocabulary only
+when the verifier needs it (sampled requests). q is exactly zero outside the head's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.core.sampling import logits_to_probs, make_generator, params_to_tensors, sample
+from workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
+from workers.drafters.registry import register_drafter
+from workers.engine.runner import ModelRunner
+from workers.models.loader import default_cache_dir
+
+META_FILE = "specd_drafter.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_drafter_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where `specd bootstrap-drafter` writes the default drafter and serving looks for it."""
+    return Path(cache_dir or default_cache_dir()) / "drafters" / "boot-default"
+
+
+def resolve_drafter_dir(path: str | Path | None, cache_dir: str | Path | None = None) -> Path:
+    resolved = Path(path) if path else default_drafter_dir(cache_dir)
+    if not (resolved / "config.json").exists():
+        raise FileNotFoundError(
+            f"no drafter at {resolved}: create the default one with `specd bootstrap-drafter` "
+            "(or set drafter.path to a drafter directory, or drafter.kind=ngram)"
+        )
+    return resolved
+
+
+def read_drafter_version(path: str | Path) -> str:
+    meta = Path(path) / META_FILE
+    if meta.exists():
+        return str(json.loads(meta.read_text()).get("version", Path(path).name))
+    return Path(path).name
+
+
+@dataclass
+class _DraftSeq:
+    slot: int
+    generator: torch.Generator | None
+    feed: list[int]                       # committed tokens not yet in the cache
+    drafted: list[int] = field(default_factory=list)   # drafts of the open step
+    tree: bool = False                    # the open step was a tree (its nodes never entered the cache)
+
+
+@register_drafter("model")
+class ModelDrafter(Drafter):
+    def __init__(
+        self,
+        path: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_slots: int = 16,
+        max_seq_len: int = 2048,
+        seed: int = 0,
+        num_threads: int | None = None,
+    ):
+        self.path = Path(path)
+        self.runner = ModelRunner(
+            self.path, device=device, dtype=dtype, max_slots=max_slots, max_seq_len=max_seq_len,
+            num_threads=num_threads, full_vocab=False,
+        )
+        self.full_vocab_size = self.runner.model.cfg.vocab_size
+        self.vocab_ids = self.runner.vocab_ids          # [V_sub] target ids, or None for a full head
+        self.version = read_drafter_version(self.path)
+        self.seed = seed
+        self.seqs: dict[str, _DraftSeq] = {}
+
+    @classmethod
+    def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
+        return cls(
+            resolve_drafter_dir(cfg.path, cache_dir),
+            device=cfg.device,
+            dtype=DTYPES[cfg.dtype],
+            max_slots=cfg.max_slots,
+            max_seq_len=getattr(cfg, "max_seq_len", 2048),
+            seed=seed,
+        )
+
+    def max_slots(self) -> int:
+        return self.runner.cache.num_slots
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_tokens: list[int], seed: int | None = None) -> None:
+        if request_id in self.seqs:
+            raise ValueError(f"request {request_id!r} already has drafter state")
+        slot = self.runner.allocate()
+        if len(prompt_tokens) > 1:
+            self.runner.prefill([slot], [prompt_tokens[:-1]])
+        # The drafter's randomness is its own stream: seeded requests stay reproducible end to end.
+        gen = make_generator(None if seed is None else seed + 0x5EED)
+        self.seqs[request_id] = _DraftSeq(slot, gen, feed=[prompt_tokens[-1]])
+
+    def remove_request(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.runner.free(seq.slot)
+
+    def commit(self, request_id: str, num_accepted: int, new_tokens: list[int]) -> None:
+        seq = self.seqs[request_id]
+        n = len(seq.drafted)
+        if seq.tree or n == 0:
+            # Tree nodes were never committed to the cache (see propose_tree): feed the accepted path.
+            seq.feed = seq.feed + list(new_tokens)
+        else:
+            # Cache holds feed + d1..d_{n-1}; keep the accepted drafts that are there, feed the rest.
+            keep = min(num_accepted, n - 1)
+            self.runner.rollback(seq.slot, self.runner.length(seq.slot) - (n - 1) + keep)
+            seq.feed = list(new_tokens[keep:])
+        seq.drafted, seq.tree = [], False
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def _q(self, logits: torch.Tensor, params) -> torch.Tensor:
+        # logits [b, V'] -> q [b, V'] under each request's own processing (the target applies the same)
+        temperature, top_k, top_p = params_to_tensors(params, logits.device)
+        return logits_to_probs(logits.float()[:, None, :], temperature, top_k, top_p)[:, 0]
+
+    def _to_target_ids(self, tokens: torch.Tensor) -> list[int]:
+        if self.vocab_ids is None:
+            return tokens.tolist()
+        return self.vocab_ids[tokens].tolist()
+
+    def _full(self, q: torch.Tensor) -> torch.Tensor:
+        # q [..., V_sub] -> [..., vocab] with zeros outside the head's vocabulary
+        if self.vocab_ids is None:
+            return q
+        out = q.new_zeros(*q.shape[:-1], self.full_vocab_size)
+        out[..., self.vocab_ids] = q
+        return out
+
+    def propose(self, request_ids, gammas, params, policy=None, states=None) -> DraftProposal:
+        check_batch(request_ids, gammas, params)
+        seqs = [self.seqs[r] for r in request_ids]
+        tokens: list[list[int]] = [[] for _ in request_ids]
+        qs: list[list[torch.Tensor]] = [[] for _ in request_ids]
+        active = [i for i, g in enumerate(gammas) if g > 0]
+        inputs = {i: seqs[i].feed for i in active}
+        while active:
+            logits = self.runner.extend([seqs[i].slot for i in active], [inputs[i] for i in active])
+            last = torch.tensor([len(inputs[i]) - 1 for i in active])
+            logits = logits[torch.arange(len(active)), last]                    # [b, V']
+            q = self._q(logits, [params[i] for i in active])                    # [b, V']
+            picked = sample(q, [seqs[i].generator for i in active])             # [b]
+            ids = self._to_target_ids(picked)
+            still = []
+            for j, i in enumerate(active):
+                seqs[i].feed = []
+                tokens[i].append(ids[j])
+                qs[i].append(q[j])
+                more = len(tokens[i]) < gammas[i]
+                if more and policy is not None and states is not None:
+                    # EGAG reads the drafter's uncertainty: the softmax, not a greedy one-hot
+                    soft = q[j] if not params[i].is_greedy else torch.softmax(logits[j].float(), -1)
+                    more = policy.keep_drafting(states[i], len(tokens[i]), soft)
+                if more:
+                    still.append(i)
+                    inputs[i] = [ids[j]]
+            active = still
+        for seq, toks in zip(seqs, tokens, strict=True):
+            seq.drafted, seq.tree = list(toks), False
+        return DraftProposal(tokens, self._stack_probs(tokens, qs, params), self.version)
+
+    def _stack_probs(self, tokens, qs, params) -> torch.Tensor | None:
+        """q [batch, γmax, vocab] for sampled requests; None when every request is greedy (one-hot)."""
+        if all(p.is_greedy for p in params) or not any(tokens):
+            return None
+        gmax = max(len(t) for t in tokens)
+        out = torch.zeros(len(tokens), gmax, self.full_vocab_size)
+        for i, (toks, rows, p) in enumerate(zip(tokens, qs, params, strict=True)):
+            if not toks:
+                continue
+            if p.is_greedy:
+                out[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
+            else:
+                out[i, : len(toks)] = self._full(torch.stack(rows))
+        return out
+
+    # ---- token trees ----------------------------------------------------------------------------
+    def propose_tree(self, request_ids, depths, widths, params, policy=None, states=None) -> DraftTree:
+        """Top-`width` first tokens, each continued as a chain to `depth`: one forward per level.
+
+        The partial tree is re-run with a tree mask at every level and then rolled back, so the cache
+        never holds uncommitted nodes; at depth ≤ 5 and width ≤ 4 that costs a few dozen drafter
+        tokens, less than one target token here. First-level children of sampled requests are drawn
+        without replacement (q_child renormalised over the unused tokens); greedy ones are top-w and
+        deterministic (one-hot q_child); deeper nodes follow q (argmax when greedy).
+        """
+        check_batch(request_ids, depths, params)
+        seqs = [self.seqs[r] for r in request_ids]
+        rows = [i for i, d in enumerate(depths) if d > 0]
+        trees = {i: ([seqs[i].feed[-1]], [-1]) for i in rows}           # (tokens, parents), root first
+        q_child: dict[int, list[torch.Tensor | None]] = {i: [None] for i in rows}
+        for i in rows:
+            if len(seqs[i].feed) > 1:
+                self.runner.extend([seqs[i].slot], [seqs[i].feed[:-1]])
+            seqs[i].feed = seqs[i].feed[-1:]
+        frontier = {i: [0] for i in rows}
+        for level in range(max((depths[i] for i in rows), default=0)):
+            rows = [i for i in rows if level < depths[i]]
+            if not rows:
+                break
+            slots = [seqs[i].slot for i in rows]
+            starts = [self.runner.length(s) for s in slots]
+            logits = self.runner.extend_trees(slots, [trees[i][0] for i in rows], [trees[i][1] for i in rows])
+            for s, start in zip(slots, starts, strict=True):
+                self.runner.rollback(s, start)
+            for j, i in enumerate(rows):
+                nodes = frontier[i]
+                q = self._q(logits[j, nodes], [params[i]] * len(nodes))        # [len(nodes), V']
+                width = widths[i] if level == 0 else 1
+                new_frontier = []
+                for k, node in enumerate(nodes):
+                    for tok, qc in self._children(q[k], width, params[i], seqs[i].generator):
+                        trees[i][0].append(tok)
+                        trees[i][1].append(node)
+                        q_child[i].append(qc)
+                        new_frontier.append(len(trees[i][0]) - 1)
+                frontier[i] = new_frontier
+        return self._tree_result(seqs, trees, q_child, params)
+
+    def _children(self, q: torch.Tensor, width: int, p, gen) -> list[tuple[int, torch.Tensor | None]]:
+        """`width` children of a node whose drafter distribution is q [V']: (target id, q_child or None)."""
+        width = min(width, int((q > 0).sum()))
+        if p.is_greedy:
+            top = torch.topk(q, width).indices
+            return [(tok, None) for tok in self._to_target_ids(top)]
+        out, remaining = [], q.clone()
+        for _ in range(width):
+            qc = remaining / remaining.sum()
+            tok = sample(qc[None], [gen])[0]
+            out.append((self._to_target_ids(tok[None])[0], qc))
+            remaining[tok] = 0.0
+        return out
+
+    def _tree_result(self, seqs, trees, q_child, params) -> DraftTree:
+        tokens, parents, probs_rows = [], [], []
+        for i, seq in enumerate(seqs):
+            toks, pars = trees.get(i, ([0], [-1]))
+            tokens.append(toks[1:])
+            parents.append(pars[1:])
+            probs_rows.append(q_child.get(i, [None])[1:])
+            seq.drafted, seq.tree = list(toks[1:]), True
+        probs = None
+        if not all(p.is_greedy for p in params) and any(tokens):
+            nmax = max(len(t) for t in tokens)
+            probs = torch.zeros(len(seqs), max(nmax, 1), self.full_vocab_size)
+            for i, (toks, rows) in enumerate(zip(tokens, probs_rows, strict=True)):
+                for n, (tok, qc) in enumerate(zip(toks, rows, strict=True)):
+                    if qc is None:
+                        probs[i, n, tok] = 1.0
+                    else:
+                        probs[i, n] = self._full(qc)
+        return DraftTree(tokens, parents, probs, self.version)
+
+    # ---- weights --------------------------------------------------------------------------------
+    def load(self, path: str | Path) -> str:
+        """Hot-swap to new drafter weights of the same shape; returns the new version.
+
+        Cached K/V of running requests were computed by the old weights; drafts from them may be a
+        little worse for a few steps, never wrong: the target verifies every draft.
+        """
+        self.runner.load_weights(Path(path))
+        self.path = Path(path)
+        self.version = read_drafter_version(path)
+        return self.version

@@ -1,0 +1,228 @@
+"""TargetWorker: the target model on its own device; prefill, one verify forward per step, exact rollback.
+
+Each running request keeps a KV-cache slot holding every committed token except the newest one, the
+*pending* token: it is the root of the next step, so one forward over [pending, d1..dγ] yields the
+γ+1 target distributions p that verification needs. After verification the cache is rolled back (or
+a tree's accepted path compacted) so it again holds exactly the committed prefix.
+
+The class is plain Python: Ray wraps it as an actor in cluster/actors.py, the engine benchmark calls it
+in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.core.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    make_generator,
+    params_to_tensors,
+    sample,
+)
+from workers.core.tree import TokenTree
+from workers.core.verify_chain import verify_chain
+from workers.core.verify_tree import verify_tree
+from workers.engine.runner import ModelRunner
+from workers.engine.types import Draft, NewRequest, VerifyResult
+from workers.models.loader import ensure_target_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Running:
+    slot: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    pending: int            # newest committed token, not yet in the KV cache
+    num_tokens: int         # prompt + generated, including the pending token
+
+
+def resolve_device(device: str) -> str:
+    """`cuda` without a visible GPU is a configuration error: say so, rather than crash deep in torch."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} was configured but torch sees no CUDA device")
+    return device
+
+
+class TargetWorker:
+    def __init__(self, cfg, seed: int = 0, cache_dir: str | None = None):
+        self.cfg = cfg
+        self.seed = seed
+        self.model_dir = ensure_target_model(cfg.model_path, cache_dir)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = resolve_device(cfg.device)
+        self.runner = ModelRunner(
+            self.model_dir,
+            device=self.device,
+            dtype=DTYPES[cfg.dtype],
+            max_slots=cfg.max_slots,
+            max_seq_len=cfg.max_seq_len,
+        )
+        self.running: dict[str, _Running] = {}
+        self._busy = 0.0
+
+    # ---- introspection -------------------------------------------------------------------------
+    def info(self) -> dict:
+        config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        gen_cfg_path = Path(self.model_dir) / "generation_config.json"
+        if gen_cfg_path.exists():
+            eos = json.loads(gen_cfg_path.read_text()).get("eos_token_id", eos)
+        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        return {
+            "model": Path(self.model_dir).name,
+            "model_dir": str(self.model_dir),
+            "vocab_size": self.runner.vocab_size,
+            "eos_token_ids": eos_ids,
+            "max_seq_len": self.cfg.max_seq_len,
+            "max_slots": self.cfg.max_slots,
+            "free_slots": self.free_slots(),
+            "device": self.device,
+        }
+
+    def free_slots(self) -> int:
+        return self.cfg.max_slots - len(self.running)
+
+    def busy_seconds(self) -> float:
+        return self._busy
+
+    # ---- requests ------------------------------------------------------------------------------
+    def start(self, requests: list[NewRequest]) -> list[list[int]]:
+        """Prefill each prompt and sample its first token from p at the last prompt position."""
+        t0 = time.perf_counter()
+        for req in requests:
+            if req.request_id in self.running:
+                raise ValueError(f"request {req.request_id!r} is already running")
+            if not req.prompt_token_ids:
+                raise ValueError(f"request {req.request_id!r} has an empty prompt")
+            if len(req.prompt_token_ids) + req.max_new_tokens > self.cfg.max_seq_len:
+                raise ValueError(
+                    f"request {req.request_id!r}: prompt ({len(req.prompt_token_ids)} tokens) + "
+                    f"max_new_tokens ({req.max_new_tokens}) exceeds max_seq_len {self.cfg.max_seq_len}"
+                )
+        if len(requests) > self.free_slots():
+            raise RuntimeError(f"no free KV slots: {len(requests)} asked, {self.free_slots()} free")
+        slots = [self.runner.allocate() for _ in requests]
+        try:
+            with torch.inference_mode():
+                logits = self.runner.prefill(slots, [r.prompt_token_ids for r in requests])  # [b, vocab]
+                params = [r.sampling for r in requests]
+                generators = [make_generator(p.seed) for p in params]
+                probs = self._probs(logits[:, None, :], params)[:, 0]                      # [b, vocab]
+                first = sample(probs, generators).tolist()
+        except Exception:
+            for slot in slots:
+                self.runner.free(slot)
+            raise
+        for req, slot, gen, tok in zip(requests, slots, generators, first, strict=True):
+            self.running[req.request_id] = _Running(
+                slot, req.sampling, gen, pending=tok, num_tokens=len(req.prompt_token_ids) + 1
+            )
+        self._busy += time.perf_counter() - t0
+        return [[tok] for tok in first]
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            run = self.running.pop(rid, None)
+            if run is not None:
+                self.runner.free(run.slot)
+
+    # ---- verification --------------------------------------------------------------------------
+    def verify(self, drafts: list[Draft]) -> list[VerifyResult]:
+        """One target forward per group of requests; chains are batched, trees go one at a time."""
+        t0 = time.perf_counter()
+        unknown = [d.request_id for d in drafts if d.request_id not in self.running]
+        if unknown:
+            raise KeyError(f"verify for requests that are not running: {unknown}")
+        chains = [d for d in drafts if d.parents is None]
+        trees = [d for d in drafts if d.parents is not None]
+        results: dict[str, VerifyResult] = {}
+        with torch.inference_mode():
+            if chains:
+                for res in self._verify_chains(chains):
+                    results[res.request_id] = res
+            for draft in trees:
+                results[draft.request_id] = self._verify_tree(draft)
+        self._busy += time.perf_counter() - t0
+        return [results[d.request_id] for d in drafts]
+
+    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        # logits [b, n, vocab] -> p [b, n, vocab], float32 so the accept ratios are computed exactly alike
+        temperature, top_k, top_p = params_to_tensors(params, logits.device)
+        return logits_to_probs(logits.float(), temperature, top_k, top_p)
+
+    def _verify_chains(self, drafts: list[Draft]) -> list[VerifyResult]:
+        runs = [self.running[d.request_id] for d in drafts]
+        slots = [r.slot for r in runs]
+        inputs = [[r.pending, *d.tokens] for r, d in zip(runs, drafts, strict=True)]
+        starts = [self.runner.length(s) for s in slots]
+        logits = self.runner.extend(slots, inputs)                       # [b, γmax+1, vocab]
+        p = self._probs(logits, [r.sampling for r in runs])              # [b, γmax+1, vocab]
+        gamma_max = p.shape[1] - 1
+        num_drafts = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
+        draft_tokens = torch.zeros(len(drafts), gamma_max, dtype=torch.long)  # [b, γmax]
+        for i, d in enumerate(drafts):
+            draft_tokens[i, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+        q = self._stack_q(drafts, gamma_max, p.shape[-1], draft_tokens, p.device)
+        out = verify_chain(draft_tokens, num_drafts, q, p, [r.generator for r in runs])
+        results = []
+        for i, (d, run) in enumerate(zip(drafts, runs, strict=True)):
+            accepted = int(out.num_accepted[i])
+            new_tokens = out.output_tokens[i, : accepted + 1].tolist()
+            # keep the old pending token and the accepted drafts; the last emitted token becomes pending
+            self.runner.rollback(run.slot, starts[i] + 1 + accepted)
+            run.pending = new_tokens[-1]
+            run.num_tokens += len(new_tokens)
+            results.append(
+                VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bool(out.is_bonus[i]))
+            )
+        return results
+
+    @staticmethod
+    def _stack_q(drafts, gamma_max, vocab, draft_tokens, device) -> torch.Tensor | None:
+        """q [b, γmax, vocab]; deterministic drafts (greedy or n-gram) are one-hot on their token."""
+        if gamma_max == 0 or all(d.probs is None for d in drafts):
+            return None
+        q = torch.zeros(len(drafts), gamma_max, vocab, device=device)
+        for i, d in enumerate(drafts):
+            n = len(d.tokens)
+            if n == 0:
+                continue
+            if d.probs is None:
+                q[i, torch.arange(n), draft_tokens[i, :n]] = 1.0
+            else:
+                q[i, :n] = d.probs.to(device=device, dtype=torch.float32)
+        return q
+
+    def _verify_tree(self, draft: Draft) -> VerifyResult:
+        run = self.running[draft.request_id]
+        start = self.runner.length(run.slot)
+        tokens = torch.tensor([run.pending, *draft.tokens], dtype=torch.long)     # [n]
+        parents = torch.tensor([-1, *draft.parents[1:]], dtype=torch.long)        # [n]
+        tree = TokenTree(tokens=tokens, parents=parents)
+        logits = self.runner.extend_tree(run.slot, tokens, parents)              # [n, vocab]
+        p = self._probs(logits[None], [run.sampling])[0]                         # [n, vocab]
+        q = None
+        if draft.probs is not None:
+            q = torch.cat([torch.zeros(1, p.shape[-1]), draft.probs.float()], dim=0)  # [n, vocab]
+        out = verify_tree(tree, q, p, run.generator)
+        self.runner.keep_tree_path(run.slot, start, [0, *out.accepted_nodes])
+        run.pending = out.output_tokens[-1]
+        run.num_tokens += len(out.output_tokens)
+        return VerifyResult(
+            draft.request_id,
+            len(draft.tokens),
+            len(out.accepted_nodes),
+            list(out.output_tokens),
+            out.is_bonus,
+            accepted_nodes=list(out.accepted_nodes),
+            depth=int(tree.depth().max()),
+        )
