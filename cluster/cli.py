@@ -8,7 +8,9 @@ import sys
 
 # Modules that own a sub-command expose `add_cli(subparsers)`; they are imported lazily by name so
 # `specd --help` stays fast and one broken optional part (say, vLLM) does not take the CLI down.
-_COMMAND_MODULES: tuple[str, ...] = ()
+_COMMAND_MODULES = (
+    "cluster.demo",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

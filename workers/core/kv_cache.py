@@ -1,0 +1,154 @@
+"""Pre-allocated key/value cache for many sequences, one slot per sequence.
+
+Rollback after a rejected draft only moves a length pointer (as in gpt-fast): the stale entries
+past the new length are never attended to and get overwritten by the next write. A tree step
+writes every node after the committed prefix; `compact` then moves the accepted path down so the
+slot holds a plain chain again.
+
+Layout: k, v are [num_layers, num_slots, num_kv_heads, max_seq_len, head_dim]. Keeping one head's
+positions contiguous means the keys of a slot (or of a run of consecutive slots) up to some length
+are a strided *view* that scaled_dot_product_attention reads directly, with no copy per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """No free slot, or a write past max_seq_len."""
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
+        # Zeros, not empty: padded rows of a batch may read past a slot's length, and
+        # uninitialised memory could hold NaN/inf that a -inf mask does not neutralise in every kernel.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Committed length per slot. Kept on the CPU whatever the device: the model plans every
+        # forward (slices, masks) from these numbers in Python.
+        self.lengths = torch.zeros(num_slots, dtype=torch.long)
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._in_use = [False] * num_slots
+
+    # ---- slot bookkeeping -------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise CacheFullError(f"all {self.num_slots} KV cache slots are in use; free one first")
+        slot = self._free.pop()
+        self._in_use[slot] = True
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._check_slot(slot)
+        self._in_use[slot] = False
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def rollback(self, slot: int, new_length: int) -> None:
+        """Forget everything at positions >= new_length (e.g. rejected draft tokens)."""
+        self._check_slot(slot)
+        if not 0 <= new_length <= int(self.lengths[slot]):
+            raise ValueError(f"rollback to {new_length} but slot {slot} holds {int(self.lengths[slot])}")
+        self.lengths[slot] = new_length
+
+    def compact(self, slot: int, start: int, keep: list[int] | torch.Tensor) -> None:
+        """Keep only positions start + keep[j], moved to start + j; then length = start + len(keep).
+
+        Used after a tree step: nodes were written at start + node_index, and `keep` lists the
+        accepted path's node indices (the root first). Entries before `start` stay as they are.
+        """
+        self._check_slot(slot)
+        keep = torch.as_tensor(keep, dtype=torch.long).flatten()
+        n = keep.numel()
+        if n and (int(keep.min()) < 0 or start + int(keep.max()) >= self.max_seq_len):
+            raise ValueError(f"compact indices {keep.tolist()} out of range for start {start}")
+        if n and not torch.equal(keep, torch.arange(n)):
+            src = (start + keep).to(self.k.device)
+            # index_select copies before the write, so overlapping source/destination is safe.
+            self.k[:, slot, :, start : start + n] = self.k[:, slot].index_select(2, src)
+            self.v[:, slot, :, start : start + n] = self.v[:, slot].index_select(2, src)
+        self.lengths[slot] = start + n
+
+    def _check_slot(self, slot: int) -> None:
+        if not (0 <= slot < self.num_slots and self._in_use[slot]):
+            raise ValueError(f"slot {slot} is not allocated")
+
+    # ---- tensor access used by the model ----------------------------------------------------
+
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,  # [b]
+        positions: torch.Tensor,  # [b, n] storage positions
+        k_new: torch.Tensor,  # [b, kv_heads, n, head_dim]
+        v_new: torch.Tensor,  # [b, kv_heads, n, head_dim]
+    ) -> None:
+        """Write new keys/values at arbitrary positions (general form, any pattern)."""
+        if int(positions.max()) >= self.max_seq_len:
+            raise CacheFullError(f"write at position {int(positions.max())} >= max_seq_len {self.max_seq_len}")
+        slots = slots.to(self.k.device)
+        positions = positions.to(self.k.device)
+        # Advanced indices around a slice put the indexed dims first: the target is [b, n, heads, dim].
+        self.k[layer][slots[:, None], :, positions] = k_new.transpose(1, 2)
+        self.v[layer][slots[:, None], :, positions] = v_new.transpose(1, 2)
+
+    def write_runs(
+        self,
+        layer: int,
+        slots: list[int],
+        starts: list[int],
+        k_new: torch.Tensor,  # [b, kv_heads, n, head_dim]
+        v_new: torch.Tensor,  # [b, kv_heads, n, head_dim]
+    ) -> None:
+        """Fast form: row i is written at positions starts[i] .. starts[i] + n - 1 of slot slots[i].
+
+        Plain slice copies: several times faster here than one advanced-indexing write.
+        The caller checks capacity once per forward (see `check_capacity`).
+        """
+        n = k_new.shape[2]
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        for i, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+            k_layer[slot, :, start : start + n] = k_new[i]
+            v_layer[slot, :, start : start + n] = v_new[i]
+
+    def check_capacity(self, starts: list[int], n: int) -> None:
+        if max(starts) + n > self.max_seq_len:
+            raise CacheFullError(f"{max(starts)} + {n} new tokens exceed max_seq_len {self.max_seq_len}")
+
+    def read(self, layer: int, slots: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `slots` at positions [0, length): two [b, kv_heads, length, head_dim].
+
+        A view when the slots are consecutive (always true for batch 1); a gather otherwise.
+        """
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return (
+                self.k[layer, first : first + len(slots), :, :length],
+                self.v[layer, first : first + len(slots), :, :length],
+            )
+        # Slice the length first: gathering whole max_seq_len rows would copy far more.
+        index = torch.tensor(slots, device=self.k.device)
+        return (
+            self.k[layer, :, :, :length].index_select(0, index),
+            self.v[layer, :, :, :length].index_select(0, index),
+        )

@@ -1,0 +1,154 @@
+"""Logits processing and sampling shared by the target and the drafter.
+
+Exactness rests on one rule: the target's p and the drafter's q go through the *same* processing
+(temperature, top-k, top-p) before verification. The verifier then makes the output exactly
+distributed as the processed p, for every setting, including greedy:
+
+- greedy rows (temperature == 0) become one-hot on the argmax. With one-hot p (and q one-hot on the
+  drafted token) the speculative-sampling accept rule min(1, p/q) is 1 when the draft equals argmax p
+  and 0 otherwise, and the recovered token norm(max(0, p - q)) is argmax p, so greedy verification is
+  the same code path and no random number can change its outcome.
+- -inf logits (a drafter with a reduced vocabulary, banned tokens) get probability exactly 0.
+
+Randomness is drawn per row: a request with a seed owns a torch.Generator, and every random number
+for that request comes from it, in an amount that depends only on that request (never on the batch
+size or on gamma_max of the batch), so a seeded request is reproducible whatever it is batched with.
+Rows without a generator share torch's default generator.
+
+Sampling uses the exponential race: argmax_i w_i / E_i with E_i ~ Exp(1) i.i.d. picks i with
+probability w_i / sum(w). It needs no normalisation (handy for the residual max(0, p - q)), never
+picks a zero-weight token, and has no cumulative-sum rounding at the end of the vocabulary.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 => greedy
+    top_k: int = 0  # 0 => off
+    top_p: float = 1.0  # 1 => off
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 means off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 means off), got {self.top_p}")
+
+
+def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
+    """A generator for a seeded request; None (use torch's default generator) when unseeded."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def params_to_tensors(
+    params: list[SamplingParams], device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-request settings as tensors: temperature [batch] float, top_k [batch] long, top_p [batch] float."""
+    for p in params:
+        p.validate()
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [batch, n, vocab]
+    temperature: torch.Tensor,  # [batch] float, 0 => greedy
+    top_k: torch.Tensor,  # [batch] long, 0 => off
+    top_p: torch.Tensor,  # [batch] float, 1 => off
+) -> torch.Tensor:  # [batch, n, vocab]
+    """Processed next-token distributions, one per position; greedy rows are one-hot on the argmax."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    vocab = logits.shape[-1]
+    greedy = (temperature == 0)[:, None, None]  # [batch, 1, 1]
+
+    # Temperature: greedy rows divide by 1; their values are replaced by the one-hot below.
+    safe_temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits / safe_temperature.to(dtype)[:, None, None]
+
+    # Top-k keeps every token whose logit is >= the k-th largest, so tied logits are kept together and
+    # the mask does not depend on how a sort orders ties.
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))  # [batch]
+    sorted_desc = scaled.sort(dim=-1, descending=True).values  # [batch, n, vocab]
+    kth_index = (k - 1)[:, None, None].expand(-1, scaled.shape[1], 1)  # [batch, n, 1]
+    kth_value = sorted_desc.gather(-1, kth_index)  # [batch, n, 1]
+    scaled = scaled.masked_fill(scaled < kth_value, float("-inf"))
+
+    # Top-p keeps the smallest set of most likely tokens whose mass reaches top_p: a token is dropped
+    # when the mass strictly before it (in descending order) is already >= top_p. A stable sort makes
+    # the choice among tied tokens deterministic.
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [batch, n, vocab]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p.to(dtype)[:, None, None]
+    drop_sorted[..., 0] = False  # the most likely token always stays
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+
+    one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy, one_hot, probs)
+
+
+def _per_row_noise(
+    generators: list[torch.Generator | None], counts: list[int], width: int, device, draw
+) -> torch.Tensor:  # [batch, width]
+    """Random numbers per row: row b takes counts[b] numbers from its own generator (zeros after them);
+    rows without a generator take theirs in one call to the default generator."""
+    noise = torch.zeros(len(generators), width, device=device)
+    shared_rows = [b for b, g in enumerate(generators) if g is None]
+    if shared_rows:
+        noise[shared_rows] = draw(torch.empty(len(shared_rows), width, device=device), None)
+    for b, g in enumerate(generators):
+        if g is not None and counts[b] > 0:
+            own = draw(torch.empty(counts[b], device=g.device), g)
+            noise[b, : counts[b]] = own.to(device)
+    return noise
+
+
+def uniform_noise(
+    generators: list[torch.Generator | None], counts: list[int], width: int, device="cpu"
+) -> torch.Tensor:  # [batch, width], uniform in [0, 1)
+    return _per_row_noise(generators, counts, width, device, lambda t, g: t.uniform_(generator=g))
+
+
+def exponential_noise(
+    generators: list[torch.Generator | None], width: int, device="cpu"
+) -> torch.Tensor:  # [batch, width], Exp(1), strictly positive
+    counts = [width] * len(generators)
+    noise = _per_row_noise(generators, counts, width, device, lambda t, g: t.exponential_(generator=g))
+    # Exp(1) can round to 0.0 (probability ~1e-45 per draw); 0/0 would give NaN, which argmax prefers.
+    return noise.clamp_min(torch.finfo(noise.dtype).tiny)
+
+
+def sample_with_noise(
+    weights: torch.Tensor,  # [batch, vocab] non-negative, any positive scale
+    noise: torch.Tensor,  # [batch, vocab] Exp(1) from exponential_noise
+) -> torch.Tensor:  # [batch] long
+    """Exponential race: token i wins with probability weights[i] / sum(weights)."""
+    return (weights / noise.to(weights.dtype)).argmax(dim=-1)
+
+
+def sample(
+    probs: torch.Tensor,  # [batch, vocab]
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:  # [batch] long
+    """One token per row from probs; row b draws its randomness from generators[b]."""
+    noise = exponential_noise(generators, probs.shape[-1], device=probs.device)
+    return sample_with_noise(probs, noise)

@@ -1,0 +1,118 @@
+"""Chain verification: accept a prefix of each request's drafted tokens, then emit one more token.
+
+Glossary (see shared/DESIGN.md):
+- drafted: the gamma tokens x_1..x_gamma the drafter proposed, x_i ~ q_i.
+- accepted: x_i is kept with probability min(1, p_i(x_i) / q_i(x_i)), left to right, until the first
+  rejection.
+- recovered: at the first rejection (position j) one token is sampled from norm(max(0, p_j - q_j)).
+- bonus: when all gamma drafts are accepted, one token is sampled from p_{gamma+1}.
+Each step emits accepted + 1 tokens, and the emitted tokens are exactly distributed as the target p
+(Leviathan et al. 2023, Chen et al. 2023).
+
+Greedy needs no separate path: greedy rows have one-hot p (see sampling.logits_to_probs), so the
+accept probability is 1 when the draft equals argmax p and 0 otherwise, and the recovered token is
+argmax p. The accept test `u * q < p` with u in [0, 1) is then decided without looking at u.
+
+The batch holds requests with different draft lengths: draft_tokens is padded to gamma_max and
+num_drafts says how many are real. Padded positions are never accepted, and the bonus of a request
+comes from p at its own position num_drafts, not at gamma_max.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.core.sampling import exponential_noise, sample_with_noise, uniform_noise
+
+
+@dataclass
+class ChainVerifyOutput:
+    # [batch, gamma_max + 1] emitted tokens padded with -1: accepted drafts, then one recovered or bonus token
+    output_tokens: torch.Tensor
+    num_accepted: torch.Tensor  # [batch] long
+    is_bonus: torch.Tensor  # [batch] bool: last token is a bonus (all drafts accepted), else recovered
+
+    def emitted(self, row: int) -> list[int]:
+        """The tokens row emitted this step (accepted + 1 of them)."""
+        return self.output_tokens[row, : int(self.num_accepted[row]) + 1].tolist()
+
+
+def residual_weights(
+    p: torch.Tensor,  # [batch, vocab]
+    q: torch.Tensor,  # [batch, vocab]
+) -> torch.Tensor:  # [batch, vocab], unnormalised
+    """max(0, p - q): what p still owes after q's proposal was rejected.
+
+    It sums to zero only when p == q, where a rejection has probability zero; rounding can still get
+    there, and then p itself is the right distribution.
+    """
+    residual = (p - q).clamp_min(0.0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    return torch.where(empty, p, residual)
+
+
+def verify_chain(
+    draft_tokens: torch.Tensor,  # [batch, gamma_max] long, padded (any value) after num_drafts
+    num_drafts: torch.Tensor,  # [batch] long, 0 <= num_drafts <= gamma_max
+    draft_probs: torch.Tensor | None,  # q [batch, gamma_max, vocab]; None = one-hot on each draft token
+    target_probs: torch.Tensor,  # p [batch, gamma_max + 1, vocab], already through logits_to_probs
+    generators: list[torch.Generator | None],  # one per row; None = torch's default generator
+    _skip_residual: bool = False,  # test-only: recover from p instead of max(0, p - q) (NOT exact)
+) -> ChainVerifyOutput:
+    batch, gamma_max = draft_tokens.shape
+    vocab = target_probs.shape[-1]
+    device = target_probs.device
+    rows = torch.arange(batch, device=device)
+    positions = torch.arange(gamma_max, device=device)  # [gamma_max]
+    is_real = positions[None, :] < num_drafts[:, None]  # [batch, gamma_max]
+    safe_drafts = torch.where(is_real, draft_tokens, torch.zeros_like(draft_tokens))
+
+    # p(x_i) and q(x_i) of each drafted token.
+    p_draft = target_probs[:, :gamma_max].gather(-1, safe_drafts[..., None])[..., 0]  # [batch, gamma_max]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, safe_drafts[..., None])[..., 0]  # [batch, gamma_max]
+
+    # Accept x_i with probability min(1, p/q): u < p/q, written without the division so that q = 0 and
+    # one-hot rows need no special case. Randomness per row: num_drafts uniforms, then vocab
+    # exponentials, whatever the outcome.
+    u = uniform_noise(generators, num_drafts.tolist(), gamma_max, device)  # [batch, gamma_max]
+    accepted = (u * q_draft < p_draft) & is_real
+    # The number accepted is the length of the leading run of True.
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+    is_bonus = num_accepted == num_drafts
+
+    # The last emitted token: bonus from p at position num_drafts, or recovered from
+    # norm(max(0, p - q)) at the first rejected position. Both live at position num_accepted.
+    p_last = target_probs[rows, num_accepted]  # [batch, vocab]
+    if gamma_max == 0:
+        q_last = torch.zeros_like(p_last)
+    else:
+        last_draft_pos = num_accepted.clamp(max=gamma_max - 1)
+        if draft_probs is None:
+            rejected_token = safe_drafts[rows, last_draft_pos]
+            q_last = torch.zeros_like(p_last).scatter(-1, rejected_token[:, None], 1.0)
+        else:
+            q_last = draft_probs[rows, last_draft_pos].to(p_last.dtype)
+    recover_from = p_last if _skip_residual else residual_weights(p_last, q_last)
+    weights = torch.where(is_bonus[:, None], p_last, recover_from)
+    last_token = sample_with_noise(weights, exponential_noise(generators, vocab, device))  # [batch]
+
+    output_tokens = torch.full((batch, gamma_max + 1), -1, dtype=torch.long, device=device)
+    keep = positions[None, :] < num_accepted[:, None]
+    output_tokens[:, :gamma_max] = torch.where(keep, safe_drafts, output_tokens[:, :gamma_max])
+    output_tokens[rows, num_accepted] = last_token
+    return ChainVerifyOutput(output_tokens=output_tokens, num_accepted=num_accepted, is_bonus=is_bonus)
+
+
+def truncate_at_stop(tokens: list[int], stop_token_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut emitted tokens after the first stop token (kept), e.g. end of sequence.
+
+    The verifier does not know about stop tokens: it may accept drafts past an end-of-sequence token.
+    Cutting there keeps exactness, because the prefix up to the stop token is target-distributed.
+    """
+    for i, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return tokens[: i + 1], True
+    return tokens, False

@@ -1,0 +1,196 @@
+"""ModelRunner: one Llama and its KV cache on one device, batched over many sequences.
+
+Both the target (verifies drafts) and a model drafter (proposes them) run through this class.
+Every call appends tokens after a slot's committed length and commits them; the caller undoes
+rejected ones with `rollback` (chains) or `keep_tree_path` (trees).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from workers.core.kv_cache import KVCache
+from workers.models.llama import Llama, iter_safetensors, safetensors_files
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_slots: int = 16,
+        max_seq_len: int = 2048,
+        compile: bool = False,
+        num_threads: int | None = None,
+        prefill_chunk: int = 512,
+        full_vocab: bool = True,
+    ):
+        """prefill_chunk: prompt tokens per forward in `prefill` (bounds activation memory).
+        full_vocab: for a reduced-vocabulary drafter, False returns [.., V_sub] logits in the
+        order of `vocab_ids` (cheaper) instead of scattering them into the full vocabulary.
+        """
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        self.model = Llama.from_pretrained(model_dir, device=self.device, dtype=dtype, max_seq_len=max_seq_len)
+        self.cache: KVCache = self.model.make_cache(max_slots, max_seq_len)
+        self.prefill_chunk = prefill_chunk
+        self.full_vocab = full_vocab or self.model.draft_vocab_ids is None
+        self._forward = self.model.forward
+        if compile:
+            # dynamic=True: n (new tokens) and the attended length change every call; one graph
+            # per shape would recompile constantly.
+            self._forward = torch.compile(self.model.forward, dynamic=True)
+
+    # ---- sizes and slots --------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the returned logits: the full vocabulary unless full_vocab=False on a drafter."""
+        return self.model.cfg.vocab_size if self.full_vocab else self.model.head_size
+
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        """Target token id of each logit column when logits are reduced, else None."""
+        return None if self.full_vocab else self.model.draft_vocab_ids
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.max_seq_len
+
+    def allocate(self) -> int:
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+    @property
+    def num_free(self) -> int:
+        return self.cache.num_free
+
+    def length(self, slot: int) -> int:
+        return int(self.cache.lengths[slot])
+
+    # ---- forwards ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Append whole prompts; return the logits after each prompt's last token: [b, vocab].
+
+        Long prompts go in chunks of `prefill_chunk` tokens per row; rows whose prompt is done
+        drop out of later chunks. The head runs only on each row's last token.
+        """
+        if len(slots) != len(prompts) or any(len(p) == 0 for p in prompts):
+            raise ValueError("prefill needs one non-empty prompt per slot")
+        out = torch.empty(len(slots), self.vocab_size, device=self.device)
+        longest = max(len(p) for p in prompts)
+        for begin in range(0, longest, self.prefill_chunk):
+            rows = [i for i, p in enumerate(prompts) if len(p) > begin]
+            chunks = [prompts[i][begin : begin + self.prefill_chunk] for i in rows]
+            last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)[:, None]  # [b, 1]
+            logits = self._extend([slots[i] for i in rows], chunks, logit_index=last)  # [b, 1, vocab]
+            for j, i in enumerate(rows):
+                if len(prompts[i]) <= begin + self.prefill_chunk:
+                    out[i] = logits[j, 0]
+        return out
+
+    @torch.inference_mode()
+    def extend(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """Append tokens (a different count per row allowed), causally: logits [b, n_max, vocab].
+
+        Row i's logits at index j follow its token j; entries j >= len(tokens[i]) are padding.
+        """
+        if len(slots) != len(tokens) or any(len(t) == 0 for t in tokens):
+            raise ValueError("extend needs one non-empty token list per slot")
+        return self._extend(slots, tokens)
+
+    def _extend(self, slots: list[int], tokens: list[list[int]], logit_index=None) -> torch.Tensor:
+        counts = [len(t) for t in tokens]
+        n = max(counts)
+        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=self.device)  # [b, n]
+        starts = self.cache.lengths[slots]  # [b]
+        positions = (starts[:, None] + torch.arange(n)).to(self.device)  # [b, n]
+        logits = self._forward(
+            ids, positions, slots, self.cache, logit_index=logit_index, full_vocab=self.full_vocab
+        )
+        self.cache.lengths[slots] = starts + torch.tensor(counts)
+        return logits
+
+    @torch.inference_mode()
+    def extend_tree(
+        self,
+        slot: int,
+        tree_tokens: list[int] | torch.Tensor,  # [n]: root first, then draft nodes
+        parents: list[int] | torch.Tensor,  # [n]: parent node index, -1 for the root; parents[i] < i
+    ) -> torch.Tensor:
+        """Append a token tree in one forward with a tree mask: logits [n, vocab].
+
+        Node i gets RoPE position length + depth(i) and cache position length + i, so the slot's
+        length grows by n; keep_tree_path then keeps only the accepted path.
+        """
+        return self.extend_trees([slot], [tree_tokens], [parents])[0, : len(tree_tokens)]
+
+    @torch.inference_mode()
+    def extend_trees(
+        self,
+        slots: list[int],
+        trees_tokens: list[list[int] | torch.Tensor],
+        trees_parents: list[list[int] | torch.Tensor],
+    ) -> torch.Tensor:
+        """Batched extend_tree over several slots (trees padded to the largest): [b, n_max, vocab]."""
+        sizes = [len(t) for t in trees_tokens]
+        n = max(sizes)
+        b = len(slots)
+        ids = torch.zeros(b, n, dtype=torch.long)
+        depth = torch.zeros(b, n, dtype=torch.long)
+        mask = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)  # [b, n, n]; padding sees only itself
+        for row, (tokens, parents) in enumerate(zip(trees_tokens, trees_parents, strict=True)):
+            parents = torch.as_tensor(parents, dtype=torch.long).tolist()
+            ids[row, : len(parents)] = torch.as_tensor(tokens, dtype=torch.long)
+            for i, parent in enumerate(parents):
+                if i == 0:
+                    if parent != -1:
+                        raise ValueError("node 0 must be the root (parent -1)")
+                    continue
+                if not 0 <= parent < i:
+                    raise ValueError(f"parents[{i}] = {parent}: each parent must come before its child")
+                depth[row, i] = depth[row, parent] + 1
+                mask[row, i] |= mask[row, parent]  # ancestors of the parent, then self (eye)
+        starts = self.cache.lengths[slots]  # [b]
+        positions = starts[:, None] + depth  # [b, n]
+        logits = self._forward(
+            ids.to(self.device),
+            positions.to(self.device),
+            slots,
+            self.cache,
+            attn_mask=mask.to(self.device),
+            full_vocab=self.full_vocab,
+        )
+        self.cache.lengths[slots] = starts + torch.tensor(sizes)
+        return logits
+
+    # ---- cache edits ------------------------------------------------------------------------
+
+    def rollback(self, slot: int, new_length: int) -> None:
+        self.cache.rollback(slot, new_length)
+
+    def keep_tree_path(self, slot: int, start: int, node_indices: list[int] | torch.Tensor) -> None:
+        """After extend_tree at length `start`: keep nodes `node_indices` (root first, a path) as a chain."""
+        self.cache.compact(slot, start, node_indices)
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, source: str | Path | dict[str, torch.Tensor]) -> None:
+        """Hot-swap weights in place (same shapes) from a model directory or an HF-named state dict.
+
+        The KV cache is left alone: entries computed with the old weights are stale, so a drafter
+        swap should be followed by re-prefilling (or accepting slightly off drafts until rollback).
+        """
+        if isinstance(source, dict):
+            self.model.load_hf_tensors(source.items())
+        else:
+            self.model.load_hf_tensors(iter_safetensors(safetensors_files(Path(source))))
