@@ -104,8 +104,9 @@ class KVCache:
         v_new: torch.Tensor,  # [b, kv_heads, n, head_dim]
     ) -> None:
         """Write new keys/values at arbitrary positions (general form, any pattern)."""
-        if int(positions.max()) >= self.max_seq_len:
-            raise CacheFullError(f"write at position {int(positions.max())} >= max_seq_len {self.max_seq_len}")
+        last = int(positions.max())
+        if last >= self.max_seq_len:
+            raise CacheFullError(f"write at position {last} >= max_seq_len {self.max_seq_len}")
         slots = slots.to(self.k.device)
         positions = positions.to(self.k.device)
         # Advanced indices around a slice put the indexed dims first: the target is [b, n, heads, dim].

@@ -30,8 +30,10 @@ class TokenTree:
         self.parents = torch.as_tensor(self.parents, dtype=torch.long)
         n = self.tokens.shape[0]
         if self.tokens.dim() != 1 or n == 0 or self.parents.shape != (n,):
-            raise ValueError(f"tokens and parents must be 1-d of the same length >= 1, got "
-                             f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}")
+            raise ValueError(
+                f"tokens and parents must be 1-d of the same length >= 1, got "
+                f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}"
+            )
         parents = self.parents.tolist()
         if parents[0] != -1:
             raise ValueError(f"parents[0] must be -1 (node 0 is the root), got {parents[0]}")

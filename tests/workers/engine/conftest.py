@@ -52,3 +52,25 @@ def tiny_drafter_dir(tmp_path_factory) -> Path:
     path = _write_llama(tmp_path_factory.mktemp("tiny_drafter"), layers=1, seed=1, head_ids=head_ids)
     (path / "specd_drafter.json").write_text(json.dumps({"version": "tiny-1"}))
     return path
+
+
+@pytest.fixture(scope="session")
+def real_target_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct (de-quantized once, then cached on disk)."""
+    from workers.models.loader import ensure_target_model
+
+    return ensure_target_model()
+
+
+@pytest.fixture(scope="session")
+def boot_drafter_dir(real_target_dir) -> Path:
+    """The bootstrapped default drafter if it exists; else a quick one made once for the tests."""
+    from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_drafter, cache_root
+    from workers.drafters.model import default_drafter_dir
+
+    if (default_drafter_dir() / "specd_drafter.json").exists():
+        return default_drafter_dir()
+    quick = cache_root() / "drafters" / "boot-quick-tests"
+    if (quick / "specd_drafter.json").exists():
+        return quick
+    return bootstrap_drafter(BootstrapConfig.quick(target_dir=str(real_target_dir), out_dir=str(quick)))

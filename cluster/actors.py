@@ -1,0 +1,178 @@
+"""Ray bring-up of the workers: one placement group, a TargetWorker and a DraftWorker actor per replica.
+
+Actor options are computed from the config by builder functions (as Ray Serve LLM does), so they are
+read and tested without starting anything. Each actor asks for its own bundle: with target.num_gpus=1
+and drafter.num_gpus=1 the drafter and the target get different GPUs, which is what lets the scheduler
+overlap drafting and verification across devices; with 0 GPUs (this machine) both are CPU actors.
+The worker classes are injected (default: the real ones), so tests can place fakes the same way.
+`WorkerHandle` gives the scheduler one async call for a Ray actor or an in-process worker; Ray itself
+is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from configs.schema import SpecdConfig
+
+# A bundle must reserve something; an actor configured with no CPU and no GPU gets this sliver.
+_MIN_CPU = 0.01
+
+
+class WorkerHandle:
+    """The async face of one worker: a Ray actor handle, or an in-process object run on its own thread."""
+
+    def __init__(self, worker: Any, name: str = "worker"):
+        self.worker = worker
+        self.name = name
+        self.is_actor = hasattr(getattr(worker, "release", None), "remote")
+        # One thread per in-process worker: calls to it are serialised like an actor's, and the
+        # target and the drafter still run at the same time (torch releases the GIL).
+        self._executor = None if self.is_actor else ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        fn = getattr(self.worker, method)
+        if self.is_actor:
+            return await fn.remote(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def ray_init_kwargs(cfg: SpecdConfig) -> dict[str, Any]:
+    """Arguments of ray.init: connect to cfg.ray.address, or start a local cluster big enough for
+    every bundle plus the driver (Ray's CPUs are logical: the 2-core machine still fits 4)."""
+    kwargs: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": cfg.ray.include_dashboard}
+    if cfg.ray.address:
+        kwargs["address"] = cfg.ray.address
+        del kwargs["include_dashboard"]        # only meaningful when starting a cluster
+    else:
+        needed = sum(b.get("CPU", 0.0) for b in placement_bundles(cfg)) + 1
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(needed))
+    return kwargs
+
+
+def init_ray(cfg: SpecdConfig) -> bool:
+    """ray.init unless already connected; True when this call started or connected the session."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(**ray_init_kwargs(cfg))
+    return True
+
+
+def _bundle(num_cpus: float, num_gpus: float) -> dict[str, float]:
+    bundle = {"CPU": float(num_cpus), "GPU": float(num_gpus)}
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    return bundle or {"CPU": _MIN_CPU}
+
+
+def placement_bundles(cfg: SpecdConfig) -> list[dict[str, float]]:
+    """Bundle 2i is replica i's target, bundle 2i+1 its drafter."""
+    out = []
+    for _ in range(cfg.target.replicas):
+        out.append(_bundle(cfg.target.num_cpus, cfg.target.num_gpus))
+        out.append(_bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus))
+    return out
+
+
+def create_placement_group(cfg: SpecdConfig, name: str = ""):
+    """PACK keeps a replica's pair on one node when it fits (the draft/verify round trip stays local)."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group(placement_bundles(cfg), strategy="PACK", name=name)
+
+
+def _options(bundle: dict[str, float], pg, index: int, name: str) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "num_cpus": bundle.get("CPU", 0.0),
+        "num_gpus": bundle.get("GPU", 0.0),
+        "name": name,
+        "max_restarts": 0,          # a restarted worker would have lost every KV cache: fail loudly
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index
+        ),
+    }
+
+
+def target_actor_options(cfg: SpecdConfig, pg, replica: int, tag: str = "") -> dict[str, Any]:
+    bundle = _bundle(cfg.target.num_cpus, cfg.target.num_gpus)
+    return _options(bundle, pg, 2 * replica, f"specd-target-{replica}{tag}")
+
+
+def drafter_actor_options(cfg: SpecdConfig, pg, replica: int, tag: str = "") -> dict[str, Any]:
+    bundle = _bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus)
+    return _options(bundle, pg, 2 * replica + 1, f"specd-drafter-{replica}{tag}")
+
+
+@dataclass
+class ReplicaActors:
+    index: int
+    target: Any       # Ray actor handle of a TargetWorker
+    drafter: Any      # Ray actor handle of a DraftWorker
+
+
+@dataclass
+class Cluster:
+    placement_group: Any
+    replicas: list[ReplicaActors]
+
+
+def _default_classes() -> tuple[type, type]:
+    from workers.engine.draft_worker import DraftWorker
+    from workers.engine.target_worker import TargetWorker
+
+    return TargetWorker, DraftWorker
+
+
+def create_cluster(
+    cfg: SpecdConfig, model_dir: str, target_cls: type | None = None, drafter_cls: type | None = None
+) -> Cluster:
+    """Reserve the placement group and start every actor (they load their models in the background;
+    the first call on a handle waits for its constructor)."""
+    import ray
+
+    if target_cls is None or drafter_cls is None:
+        default_target, default_drafter = _default_classes()
+        target_cls, drafter_cls = target_cls or default_target, drafter_cls or default_drafter
+    target_remote = ray.remote(target_cls)
+    drafter_remote = ray.remote(drafter_cls)
+    tag = f"-{uuid.uuid4().hex[:6]}"        # several servers may share one Ray namespace (tests)
+    pg = create_placement_group(cfg, name=f"specd{tag}")
+    replicas = []
+    for i in range(cfg.target.replicas):
+        # Each replica gets its own seed so replicas do not draw identical random streams.
+        target = target_remote.options(**target_actor_options(cfg, pg, i, tag)).remote(
+            cfg.target, cfg.seed + 2 * i, cfg.cache_dir
+        )
+        drafter = drafter_remote.options(**drafter_actor_options(cfg, pg, i, tag)).remote(
+            cfg.drafter, cfg.spec, str(model_dir), cfg.seed + 2 * i + 1, cfg.cache_dir
+        )
+        replicas.append(ReplicaActors(i, target, drafter))
+    return Cluster(pg, replicas)
+
+
+def shutdown_cluster(cluster: Cluster) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    # Best effort: an actor that already died or a group already removed has nothing left to free.
+    for rep in cluster.replicas:
+        for handle in (rep.target, rep.drafter):
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+    with contextlib.suppress(Exception):
+        remove_placement_group(cluster.placement_group)

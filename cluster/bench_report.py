@@ -1,0 +1,160 @@
+"""Rows, ratios, table, JSON and plot of `specd bench engine`.
+
+The children report raw counts (cluster/bench_child.py); this module turns each (system, workload,
+batch, temperature) cell into one row and adds the measured ratios: for every speculative specd row,
+its tokens/s over target-only's and over vLLM autoregressive's for the same cell, from the same run.
+Plain functions on dicts, so they are tested on tiny fake rows.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+TARGET_ONLY = "target-only"
+VLLM_AR = "vllm"
+
+# The cell a row belongs to: rows of one cell are compared with each other.
+CellKey = tuple[str, int, float]
+
+
+def cell_key(row: dict[str, Any]) -> CellKey:
+    return (row["workload"], int(row["batch"]), float(row["temperature"]))
+
+
+def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb: float | None,
+             speculative_specd: bool, load_s: float | None = None) -> dict[str, Any]:
+    """One JSON row from a child's raw cell measurements."""
+    wall = cell["wall_s"]
+    generated = cell["generated_tokens"]
+    per_request = cell["request_ms_per_token"]
+    drafted, steps = cell.get("drafted"), cell.get("steps")
+    return {
+        "system": system,
+        "workload": cell["workload"],
+        "batch": int(cell["batch"]),
+        "temperature": float(cell["temperature"]),
+        "num_prompts": cell["num_prompts"],
+        "max_new_tokens": max_new_tokens,
+        "requested_tokens": cell["requested_tokens"],
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall if wall > 0 else None,
+        "ms_per_token_p50": statistics.median(per_request) if per_request else None,
+        # No speculation, no acceptance: None rather than a misleading 0.
+        "acceptance_rate": (cell["accepted"] / drafted) if drafted else None,
+        "mean_accepted_length": (cell["emitted"] / steps) if steps else None,
+        "peak_rss_mb": peak_rss_mb,
+        "load_s": load_s,
+        "speculative_specd": speculative_specd,
+        "speedup_vs_target_only": None,
+        "speedup_vs_vllm": None,
+        "greedy_agreement_vs_target_only": None,
+    }
+
+
+def add_ratios(rows: list[dict[str, Any]], outputs: dict[tuple[str, CellKey], list[list[int]]] | None = None):
+    """Fill speedup_vs_target_only / speedup_vs_vllm on speculative specd rows (in place; returns rows).
+
+    A ratio stays None when its baseline did not run for that cell. With `outputs` ({(system, cell):
+    generated ids per request}), greedy rows also get the fraction of requests whose output equals
+    target-only's: specd is lossless, so its speculative rows should agree (rare float ties aside).
+    """
+    tps = {(r["system"], cell_key(r)): r["tokens_per_s"] for r in rows}
+    for row in rows:
+        key = cell_key(row)
+        if row["speculative_specd"] and row["tokens_per_s"]:
+            for baseline, field in ((TARGET_ONLY, "speedup_vs_target_only"), (VLLM_AR, "speedup_vs_vllm")):
+                base = tps.get((baseline, key))
+                row[field] = row["tokens_per_s"] / base if base else None
+        if outputs is not None and row["temperature"] == 0.0 and row["system"] != TARGET_ONLY:
+            mine, ref = outputs.get((row["system"], key)), outputs.get((TARGET_ONLY, key))
+            if mine and ref and len(mine) == len(ref):
+                same = sum(a == b for a, b in zip(mine, ref, strict=True))
+                row["greedy_agreement_vs_target_only"] = same / len(ref)
+    return rows
+
+
+def sort_rows(rows: list[dict[str, Any]], system_order: list[str]) -> list[dict[str, Any]]:
+    rank = {name: i for i, name in enumerate(system_order)}
+    return sorted(rows, key=lambda r: (*cell_key(r), rank.get(r["system"], len(rank))))
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+TABLE_COLUMNS = (
+    ("system", "system", None, ""),
+    ("workload", "workload", None, ""),
+    ("batch", "batch", None, ""),
+    ("T", "temperature", "g", ""),
+    ("tok/s", "tokens_per_s", ".1f", ""),
+    ("ms/tok p50", "ms_per_token_p50", ".1f", ""),
+    ("α", "acceptance_rate", ".2f", ""),
+    ("MAL", "mean_accepted_length", ".2f", ""),
+    ("RSS MB", "peak_rss_mb", ".0f", ""),
+    ("vs target-only", "speedup_vs_target_only", ".2f", "x"),
+    ("vs vLLM", "speedup_vs_vllm", ".2f", "x"),
+)
+
+
+def table_cells(row: dict[str, Any]) -> list[str]:
+    return [str(row[k]) if spec is None else _fmt(row[k], spec, sfx) for _, k, spec, sfx in TABLE_COLUMNS]
+
+
+def render_table(rows: list[dict[str, Any]], title: str = "specd bench engine"):
+    """A rich Table; one section per (workload, batch, temperature) cell."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for header, key, spec, _ in TABLE_COLUMNS:
+        table.add_column(header, justify="left" if spec is None and key != "batch" else "right")
+    previous = None
+    for row in rows:
+        if previous is not None and cell_key(row) != previous:
+            table.add_section()
+        previous = cell_key(row)
+        table.add_row(*table_cells(row))
+    return table
+
+
+def write_json(path: str | Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    return path
+
+
+def write_plot(path: str | Path, rows: list[Row], system_order: list[str], title: str = "") -> Path:
+    """Grouped bars: one group per (workload, batch, temperature) cell, one bar per system, tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({cell_key(r) for r in rows})
+    present = {r["system"] for r in rows}
+    systems = [s for s in system_order if s in present] + sorted(present - set(system_order))
+    tps = {(r["system"], cell_key(r)): r["tokens_per_s"] or 0.0 for r in rows}
+    width = 0.8 / max(len(systems), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cells) + 2), 4.5))
+    for i, system in enumerate(systems):
+        xs = [c + (i - (len(systems) - 1) / 2) * width for c in range(len(cells))]
+        ax.bar(xs, [tps.get((system, cell), 0.0) for cell in cells], width, label=system)
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([f"{w}\nbatch {b}, T={t:g}" for w, b, t in cells])
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title(title or "specd bench engine: tokens/s per system")
+    ax.legend(fontsize="small", ncols=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,108 @@
+"""vLLM systems of `specd bench engine`, in a child process of their own.
+
+Run as `python -m cluster.bench_vllm JOB OUT --events-fd N` (protocol in cluster/bench_child.py). vLLM
+spawns its engine processes, so building `vllm.LLM` must happen under `if __name__ == "__main__":`.
+
+Settings chosen to compare like with like: the same converted float32 directory, prompts given as token
+ids (the same ids every system gets), `ignore_eos=True` so every request generates max_new_tokens,
+no detokenization (our engine does not detokenize either), `max_num_seqs` = the largest batch, and a KV
+cache as large as the one our target engine allocates (max_slots x max_seq_len), so peak RSS is
+comparable. The speculative system reads acceptance counts from vLLM's spec-decode metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from cluster.bench_child import Events, add_request, child_main, groups, new_cell_result
+from cluster.bench_systems import SYSTEMS, WARMUP_TOKENS
+
+# vLLM's spec-decode counters, cumulative over the engine's life; a cell reads their difference.
+_SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def spec_counters(llm) -> dict[str, int]:
+    """Current totals of vLLM's spec-decode counters (summed over engines and label sets)."""
+    from vllm.v1.metrics.reader import Counter
+
+    totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():
+        name = metric.name.removesuffix("_total")
+        if isinstance(metric, Counter) and name in _SPEC_COUNTERS:
+            totals[_SPEC_COUNTERS[name]] += int(metric.value)
+    return totals
+
+
+def speculation_counts(before: dict[str, int], after: dict[str, int], generated: int, requests: int) -> dict:
+    """vLLM's counters in our glossary. vLLM counts only steps that drafted something; a step without a
+    draft emits one token. Every token after each request's first (the prefill's) comes from a step, and a
+    step emits accepted + 1 tokens, so steps = (generated - requests) - accepted."""
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    emitted = generated - requests
+    return {"drafted": drafted, "accepted": accepted, "emitted": emitted, "steps": max(emitted - accepted, 0)}
+
+
+def run_vllm(job: dict[str, Any], events: Events) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    system = SYSTEMS[job["system"]]
+    t0 = time.perf_counter()
+    events.emit("phase", phase="loading")
+    llm = LLM(
+        model=job["model_dir"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=job["max_seq_len"],
+        max_num_seqs=job["max_batch"],
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        seed=0,
+        speculative_config=system.vllm_speculative,
+        # Statistics are needed only to read the spec-decode counters.
+        disable_log_stats=system.vllm_speculative is None,
+    )
+    load_s = time.perf_counter() - t0
+
+    def params(temperature: float, seed: int, n: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=temperature, top_k=0, top_p=1.0, seed=seed, max_tokens=n, ignore_eos=True,
+            detokenize=False,
+        )
+
+    events.emit("phase", phase="warmup")
+    llm.generate([TokensPrompt(prompt_token_ids=job["warmup_prompt"])], params(0.0, 0, WARMUP_TOKENS),
+                 use_tqdm=False)
+
+    cells = []
+    for cell in job["cells"]:
+        events.emit("cell", workload=cell["workload"], batch=cell["batch"], temperature=cell["temperature"])
+        result = new_cell_result(cell)
+        before = spec_counters(llm) if system.vllm_speculative else None
+        for prompts, seeds in groups(cell["prompts"], cell["seeds"], cell["batch"]):
+            inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+            sampling = [params(cell["temperature"], s, job["max_new_tokens"]) for s in seeds]
+            start = time.perf_counter()
+            outs = llm.generate(inputs, sampling, use_tqdm=False)
+            wall = time.perf_counter() - start
+            result["wall_s"] += wall
+            # One generate call per group: with ignore_eos its requests finish in the same engine step,
+            # so each request's latency is the group's wall time.
+            for out in outs:
+                add_request(result, list(out.outputs[0].token_ids), wall, job["max_new_tokens"])
+            events.tokens(sum(len(o.outputs[0].token_ids) for o in outs), force=True)
+        if before is not None:
+            # The engine process pushes its statistics to the frontend shortly after a step.
+            time.sleep(0.2)
+            after = spec_counters(llm)
+            result.update(speculation_counts(before, after, result["generated_tokens"], len(cell["prompts"])))
+        cells.append(result)
+    return {"cells": cells, "load_s": load_s}
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main({"vllm": run_vllm}))

@@ -1,0 +1,212 @@
+"""A small Python client of the specd gRPC API (sync and asyncio).
+
+    with SpecdClient("127.0.0.1:50051") as c:
+        out = c.generate("What is 2 + 3?", max_new_tokens=32)          # chat message, rendered by the server
+        print(out.text, out.usage["mean_accepted_length"])
+        for chunk in c.stream(text="def fib(n):", max_new_tokens=64):
+            print(chunk.text, end="", flush=True)
+
+`prompt` is one user chat message; pass `messages=[{"role": ..., "content": ...}]` for a conversation,
+`text=` for raw text or `token_ids=` for token ids. Errors surface as grpc.RpcError with the server's
+status code and message.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.specd.v1 import serving_pb2, serving_pb2_grpc
+
+FINISH_NAMES = {
+    serving_pb2.FINISH_REASON_UNSPECIFIED: "",
+    serving_pb2.FINISH_REASON_LENGTH: "length",
+    serving_pb2.FINISH_REASON_EOS: "eos",
+    serving_pb2.FINISH_REASON_STOP: "stop",
+    serving_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: dict
+
+
+@dataclass
+class Chunk:
+    """One streamed piece; the last one has finish_reason and usage set."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict | None = None
+
+
+def _dict(msg: Message) -> dict:
+    """Every field of a message as plain Python values (json_format would turn 64-bit ints into strings)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None:
+            out[f.name] = [_dict(v) for v in value] if _is_repeated(f) else _dict(value)
+        else:
+            out[f.name] = list(value) if _is_repeated(f) else value
+    return out
+
+
+def _is_repeated(f: FieldDescriptor) -> bool:
+    # protobuf >= 6 has is_repeated and dropped label; older versions only have label
+    if hasattr(f, "is_repeated"):
+        return f.is_repeated
+    return f.label == FieldDescriptor.LABEL_REPEATED
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    text: str | None = None,
+    token_ids: list[int] | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop: list[str] | tuple[str, ...] = (),
+    seed: int | None = None,
+    ignore_eos: bool = False,
+    speculation: bool | None = None,
+    gamma: int | None = None,
+    tree_width: int | None = None,
+    gamma_policy: str = "",
+    request_id: str = "",
+) -> serving_pb2.GenerateRequest:
+    """A GenerateRequest from keyword arguments; unset options take the server's defaults."""
+    inputs = [x is not None for x in (prompt, messages, text, token_ids)]
+    if sum(inputs) != 1:
+        raise ValueError("pass exactly one of prompt, messages, text or token_ids")
+    req = serving_pb2.GenerateRequest(request_id=request_id)
+    if prompt is not None:
+        messages = [{"role": "user", "content": prompt}]
+    if messages is not None:
+        req.chat.messages.extend(serving_pb2.ChatMessage(**m) for m in messages)
+        if not messages:
+            req.chat.SetInParent()  # an explicit empty conversation, so the server can say so
+    elif text is not None:
+        req.text = text
+    else:
+        req.token_ids.ids.extend(token_ids)
+        if not token_ids:
+            req.token_ids.SetInParent()
+    s = req.sampling
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
+                        ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(stop)
+    s.ignore_eos = ignore_eos
+    sp = req.speculation
+    for name, value in (("enabled", speculation), ("gamma", gamma), ("tree_width", tree_width)):
+        if value is not None:
+            setattr(sp, name, value)
+    sp.gamma_policy = gamma_policy
+    return req
+
+
+def _completion(resp: serving_pb2.GenerateResponse) -> Completion:
+    return Completion(resp.request_id, resp.text, list(resp.token_ids),
+                      FINISH_NAMES.get(resp.finish_reason, ""), _dict(resp.usage))
+
+
+def _chunk(msg: serving_pb2.GenerateStreamResponse) -> Chunk:
+    if msg.HasField("delta"):
+        return Chunk(msg.request_id, list(msg.delta.token_ids), msg.delta.text)
+    return Chunk(msg.request_id, [], msg.final.text, FINISH_NAMES.get(msg.final.finish_reason, ""),
+                 _dict(msg.final.usage))
+
+
+class SpecdClient:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = serving_pb2_grpc.SpecdStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+        resp = self.stub.Generate(build_request(prompt, **kw), timeout=timeout or self.timeout)
+        return _completion(resp)
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
+        """Chunks as they arrive; break out of the loop (or call .cancel() on the call) to cancel."""
+        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout or self.timeout)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        finally:
+            call.cancel()   # no-op when the stream already ended; frees the server's slots otherwise
+
+    def server_info(self) -> dict:
+        return _dict(self.stub.ServerInfo(serving_pb2.ServerInfoRequest(), timeout=self.timeout or 30))
+
+    def health(self, service: str = "") -> str:
+        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_until_serving(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health() == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.address} was not SERVING after {timeout} s")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> SpecdClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncSpecdClient:
+    """The same calls over grpc.aio, for many concurrent requests from one process (benchmarks)."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = serving_pb2_grpc.SpecdStub(self.channel)
+
+    async def generate(self, prompt: str | None = None, **kw) -> Completion:
+        return _completion(await self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout))
+
+    async def stream(self, prompt: str | None = None, **kw) -> AsyncIterator[Chunk]:
+        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=self.timeout)
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        finally:
+            call.cancel()
+
+    async def server_info(self) -> dict:
+        return _dict(await self.stub.ServerInfo(serving_pb2.ServerInfoRequest(), timeout=self.timeout))
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,126 @@
+"""Prometheus metrics of the router, fed by the scheduler's observer hooks.
+
+Each server owns its own CollectorRegistry, so tests can run several servers in one process. Names
+follow the glossary: drafted, accepted, recovered, bonus, step, gamma.
+
+    specd_request_latency_seconds        histogram, by finish reason
+    specd_time_to_first_token_seconds    histogram
+    specd_generated_tokens_total         counter (tokens/s = rate of it)
+    specd_request_tokens_per_second      histogram of completion tokens / total time per request
+    specd_queue_depth, specd_running_requests                      gauges
+    specd_drafted_tokens_total, specd_accepted_tokens_total        counters by drafter version
+    specd_acceptance_rate                gauge, accepted / drafted since start
+    specd_accepted_length                histogram of tokens emitted per step (accepted + 1)
+    specd_mean_accepted_length           gauge, (accepted + recovered + bonus) / steps since start
+    specd_position_drafted_total, specd_position_accepted_total    counters by draft position
+    specd_gamma                          histogram of the γ each step used (tree: its depth)
+    specd_drafter_version_info           gauge = 1 for the version each replica last used
+    specd_worker_busy_fraction           gauge by replica and worker (target, drafter)
+    specd_pipeline_overlap_fraction      gauge by replica
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from cluster.scheduler import SchedulerObserver, ServedStats
+from workers.engine.types import Draft, VerifyResult
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
+_RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+_STEP_BUCKETS = tuple(range(0, 17))
+
+
+class SpecdMetrics(SchedulerObserver):
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.latency = Histogram("specd_request_latency_seconds", "Request latency, arrival to last token",
+                                 ["reason"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specd_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tokens = Counter("specd_generated_tokens", "Generated (completion) tokens", registry=r)
+        self.tokens_per_s = Histogram("specd_request_tokens_per_second",
+                                      "Completion tokens over total time, per request",
+                                      buckets=_RATE_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specd_queue_depth", "Requests waiting for a slot", registry=r)
+        self.running = Gauge("specd_running_requests", "Requests holding a slot", registry=r)
+        self.requests = Counter("specd_requests", "Finished requests", ["reason"], registry=r)
+        self.drafted = Counter("specd_drafted_tokens", "Drafted tokens", ["drafter_version"], registry=r)
+        self.accepted = Counter("specd_accepted_tokens", "Accepted draft tokens", ["drafter_version"],
+                                registry=r)
+        self.acceptance_rate = Gauge("specd_acceptance_rate", "accepted / drafted since start", registry=r)
+        self.accepted_length = Histogram("specd_accepted_length", "Tokens emitted per step (accepted + 1)",
+                                         buckets=_STEP_BUCKETS, registry=r)
+        self.mean_accepted_length = Gauge("specd_mean_accepted_length",
+                                          "(accepted + recovered + bonus) / steps since start", registry=r)
+        self.position_drafted = Counter("specd_position_drafted", "Steps with a draft at this position",
+                                        ["position", "drafter_version"], registry=r)
+        self.position_accepted = Counter("specd_position_accepted",
+                                         "Steps whose draft at this position was accepted",
+                                         ["position", "drafter_version"], registry=r)
+        self.gamma = Histogram("specd_gamma", "Draft positions used per step (γ; tree: depth)",
+                               buckets=_STEP_BUCKETS, registry=r)
+        self.drafter_version = Gauge("specd_drafter_version_info", "Drafter version a replica last used",
+                                     ["replica", "drafter_version"], registry=r)
+        self.busy = Gauge("specd_worker_busy_fraction", "Worker compute time / time with requests",
+                          ["replica", "worker"], registry=r)
+        self.overlap = Gauge("specd_pipeline_overlap_fraction",
+                             "Least share of active time with drafting and verifying at once", ["replica"],
+                             registry=r)
+        self._versions: dict[int, str] = {}
+        self._sum_drafted = self._sum_accepted = self._sum_emitted = self._steps = 0
+
+    # ---- SchedulerObserver ---------------------------------------------------------------------
+    def on_queue(self, waiting: int, running: int) -> None:
+        self.queue_depth.set(waiting)
+        self.running.set(running)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_step(self, replica: int, draft: Draft, result: VerifyResult, depth: int) -> None:
+        version = draft.drafter_version or "none"
+        self.drafted.labels(version).inc(result.num_drafted)
+        self.accepted.labels(version).inc(result.num_accepted)
+        for pos in range(depth):
+            self.position_drafted.labels(str(pos), version).inc()
+        for pos in range(min(result.num_accepted, depth)):
+            self.position_accepted.labels(str(pos), version).inc()
+        self.gamma.observe(depth)
+        self.accepted_length.observe(len(result.new_tokens))
+        self._sum_drafted += result.num_drafted
+        self._sum_accepted += result.num_accepted
+        self._sum_emitted += len(result.new_tokens)
+        self._steps += 1
+        if self._sum_drafted:
+            self.acceptance_rate.set(self._sum_accepted / self._sum_drafted)
+        self.mean_accepted_length.set(self._sum_emitted / self._steps)
+        if self._versions.get(replica) != version:
+            old = self._versions.get(replica)
+            if old is not None:
+                self.drafter_version.remove(str(replica), old)
+            self._versions[replica] = version
+            self.drafter_version.labels(str(replica), version).set(1)
+
+    def on_finish(self, reason: str, stats: ServedStats) -> None:
+        self.requests.labels(reason).inc()
+        self.latency.labels(reason).observe(stats.total_time)
+        self.tokens.inc(stats.completion_tokens)
+        if stats.total_time > 0 and stats.completion_tokens:
+            self.tokens_per_s.observe(stats.completion_tokens / stats.total_time)
+
+    # ---- polled --------------------------------------------------------------------------------
+    def set_worker_stats(self, stats: list[dict]) -> None:
+        """Gauges from Scheduler.worker_stats() (polled: busy time lives in the workers)."""
+        for s in stats:
+            replica = str(s["replica"])
+            self.busy.labels(replica, "target").set(s["target_busy_fraction"])
+            self.busy.labels(replica, "drafter").set(s["drafter_busy_fraction"])
+            self.overlap.labels(replica).set(s["overlap_fraction"])
+
+    def serve_http(self, port: int, host: str = "0.0.0.0"):
+        """Expose /metrics; returns the HTTP server (call .shutdown() to stop) and the port it bound."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, server.server_address[1]

@@ -1,0 +1,277 @@
+"""The gRPC router (grpc.aio): validates requests, admits them to the scheduler, streams tokens and text.
+
+The tokenizer lives here, not in the workers: prompts are rendered and encoded once, and generated
+tokens are decoded incrementally for text deltas and stop strings. Standard grpc.health.v1 says
+NOT_SERVING until the backend (models loaded and warm) is attached, and server reflection lets a
+generic client (grpcurl, grpcui) discover the API.
+
+Status codes: INVALID_ARGUMENT for bad input (message from cluster.validation), RESOURCE_EXHAUSTED
+when the admission queue is full, UNAVAILABLE while loading or shutting down, INTERNAL when a worker
+failed on the request. A client cancel or deadline aborts the request, which frees its KV slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cluster.metrics import SpecdMetrics
+from cluster.scheduler import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    QueueFull,
+    Scheduler,
+    ServedStats,
+    TokensEvent,
+)
+from cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
+from proto.specd.v1 import serving_pb2, serving_pb2_grpc
+from workers.engine.types import NewRequest
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Specd"].full_name   # "specd.v1.Specd"
+_FINISH = {
+    FINISH_LENGTH: serving_pb2.FINISH_REASON_LENGTH,
+    FINISH_EOS: serving_pb2.FINISH_REASON_EOS,
+    FINISH_STOP: serving_pb2.FINISH_REASON_STOP,
+    FINISH_CANCELLED: serving_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+class TextStream:
+    """Incremental detokenization with stop strings.
+
+    Text is held back while it ends in an unfinished UTF-8 character (decoded as U+FFFD) or in what
+    could be the start of a stop string, so a delta never has to be taken back.
+    """
+
+    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
+        self.codec = codec
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0                 # characters of self.text already handed out
+        self.stopped = False
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        self.ids += ids
+        text = self.codec.decode(self.ids)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            self.text = text[: min(hits)]
+            return self.flush()
+        self.text = text
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        for k in range(min(self._hold, end - self.sent), 0, -1):
+            if any(s.startswith(text[end - k : end]) for s in self.stop):
+                end -= k
+                break
+        delta, self.sent = text[self.sent : end], end
+        return delta
+
+    def flush(self) -> str:
+        """Everything not handed out yet (at the end of the request)."""
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta
+
+
+def usage_proto(stats: ServedStats, completion_tokens: int) -> serving_pb2.Usage:
+    spec = stats.spec
+    return serving_pb2.Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=completion_tokens,
+        steps=spec.steps,
+        drafted=spec.drafted,
+        accepted=spec.accepted,
+        recovered=spec.recovered,
+        bonus=spec.bonus,
+        acceptance_rate=spec.acceptance_rate,
+        mean_accepted_length=spec.mean_accepted_length,
+        drafter_versions=spec.drafter_versions,
+        drafted_per_position=spec.drafted_per_position,
+        accepted_per_position=spec.accepted_per_position,
+        time_to_first_token_s=stats.time_to_first_token,
+        total_time_s=stats.total_time,
+        queue_time_s=stats.queue_time,
+        replica=max(stats.replica, 0),
+    )
+
+
+@dataclass
+class Backend:
+    """Everything the servicer needs once the models are loaded and warm."""
+
+    scheduler: Scheduler
+    codec: TextCodec
+    bounds: Bounds
+    model: str
+    eos_token_ids: tuple[int, ...]
+    replicas: int
+    pipeline_groups: int
+    max_queue: int
+    metrics: SpecdMetrics | None = None
+
+
+class SpecdServicer(serving_pb2_grpc.SpecdServicer):
+    def __init__(self, backend: Backend | None = None):
+        self.backend = backend
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> Backend:
+        if self.backend is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
+        return self.backend
+
+    async def _events(
+        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.GenerateStreamResponse]:
+        """The stream of one request: deltas, then one final message. Shared by both RPCs."""
+        b = await self._ready(context)
+        try:
+            valid = validate_request(request, b.bounds, b.codec)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = uuid.uuid4().hex
+        shown_id = valid.client_request_id or rid
+        stop_ids = () if valid.ignore_eos else b.eos_token_ids
+        new = NewRequest(
+            rid, valid.prompt_token_ids, valid.sampling, valid.max_new_tokens, valid.spec, stop_ids
+        )
+        try:
+            handle = b.scheduler.submit(new, ignore_eos=valid.ignore_eos)
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        text = TextStream(b.codec, valid.stop)
+        sent_tokens = 0
+        finished = False
+        try:
+            async for event in handle:
+                if isinstance(event, TokensEvent):
+                    if text.stopped:
+                        continue          # generated before the abort took effect; never shown
+                    delta = text.push(event.tokens)
+                    sent_tokens += len(event.tokens)
+                    if text.stopped:
+                        b.scheduler.abort(rid, FINISH_STOP)
+                    yield serving_pb2.GenerateStreamResponse(
+                        request_id=shown_id, delta=serving_pb2.Delta(token_ids=event.tokens, text=delta)
+                    )
+                    continue
+                finished = True
+                if event.reason == FINISH_ERROR:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event.error}")
+                reason = FINISH_STOP if text.stopped else event.reason
+                final = serving_pb2.Final(
+                    finish_reason=_FINISH.get(reason, serving_pb2.FINISH_REASON_UNSPECIFIED),
+                    usage=usage_proto(event.stats, sent_tokens),
+                    text=text.flush(),
+                )
+                yield serving_pb2.GenerateStreamResponse(request_id=shown_id, final=final)
+        finally:
+            if not finished:      # client cancelled, deadline passed, or the stream was dropped
+                b.scheduler.abort(rid, FINISH_CANCELLED)
+
+    async def Generate(self, request, context):
+        pieces: list[str] = []
+        token_ids: list[int] = []
+        response = serving_pb2.GenerateResponse()
+        async for msg in self._events(request, context):
+            response.request_id = msg.request_id
+            if msg.HasField("delta"):
+                token_ids += msg.delta.token_ids
+                pieces.append(msg.delta.text)
+            else:
+                pieces.append(msg.final.text)
+                response.finish_reason = msg.final.finish_reason
+                response.usage.CopyFrom(msg.final.usage)
+        response.text = "".join(pieces)
+        response.token_ids.extend(token_ids)
+        return response
+
+    async def GenerateStream(self, request, context):
+        async for msg in self._events(request, context):
+            yield msg
+
+    async def ServerInfo(self, request, context):
+        b = await self._ready(context)
+        workers = await b.scheduler.worker_stats()
+        if b.metrics is not None:
+            b.metrics.set_worker_stats(workers)
+        s, bounds = b.scheduler, b.bounds
+        return serving_pb2.ServerInfoResponse(
+            model=b.model,
+            vocab_size=bounds.vocab_size,
+            max_seq_len=bounds.max_seq_len,
+            max_new_tokens_default=bounds.max_new_tokens_default,
+            max_new_tokens_cap=bounds.max_new_tokens_cap,
+            temperature_max=bounds.temperature_max,
+            speculation_enabled=bounds.spec_enabled,
+            gamma_default=bounds.gamma_default,
+            gamma_min=bounds.gamma_min,
+            gamma_max=bounds.gamma_max,
+            tree_width_max=bounds.tree_width_max,
+            gamma_policies=list(bounds.policies),
+            replicas=b.replicas,
+            pipeline_groups=b.pipeline_groups,
+            max_queue=b.max_queue,
+            waiting=s.waiting(),
+            running=s.running(),
+            requests_finished=s.finished,
+            tokens_generated=s.tokens_generated,
+            drafted=s.drafted,
+            accepted=s.accepted,
+            workers=[serving_pb2.WorkerStats(**w) for w in workers],
+        )
+
+
+class GrpcServer:
+    """A grpc.aio server with the Specd service, grpc.health.v1 and server reflection."""
+
+    def __init__(self, servicer: SpecdServicer, host: str = "127.0.0.1", port: int = 0):
+        self.servicer = servicer
+        self.server = grpc.aio.server()
+        serving_pb2_grpc.add_SpecdServicer_to_server(servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        bind_host = f"[{host}]" if ":" in host else host
+        self.port = self.server.add_insecure_port(f"{bind_host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind gRPC to {host}:{port}")
+        self.address = f"{bind_host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.set_serving(self.servicer.backend is not None)
+
+    async def set_serving(self, serving: bool) -> None:
+        states = health_pb2.HealthCheckResponse
+        status = states.SERVING if serving else states.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def attach(self, backend: Backend) -> None:
+        """The models are loaded and warm: accept requests and report SERVING."""
+        self.servicer.backend = backend
+        await self.set_serving(True)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)

@@ -1,0 +1,476 @@
+"""Continuous batching with a two-stage draft/verify pipeline across devices.
+
+Each replica is a (TargetWorker, DraftWorker) pair. Its running requests are split into
+`pipeline_groups` groups, and every group runs its own loop of steps:
+
+    start the group's newly admitted requests (target prefill, then drafter start)
+    propose(group)  on the drafter   -> drafts
+    verify(drafts)  on the target    -> accepted + recovered | bonus tokens, KV rolled back
+    emit tokens, retire finished and cancelled requests (release on both workers)
+
+A worker runs one call at a time (a Ray actor, or one thread in-process), so with two groups the
+loops interleave into a pipeline: the drafter drafts group B while the target verifies group A.
+With one group the schedule is the plain unpipelined alternation. Requests join a group (the
+smallest) and leave it between steps. The previous step's verify result travels in the next
+DraftItem's commit fields, so the drafter rolls back to the verified prefix in the same call.
+
+Each request's stopping rules, γ cap, commit fields and step statistics live in
+workers.engine.sequence.Sequence, the same class the in-process engine uses, so the two cannot drift.
+No Ray or gRPC here: workers are reached through `WorkerHandle`, so tests drive the scheduler with
+in-process fakes and the server with Ray actor handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.actors import WorkerHandle
+from workers.core.stats import RequestStats
+from workers.engine.sequence import Sequence
+from workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
+
+log = logging.getLogger(__name__)
+
+FINISH_LENGTH = "length"
+FINISH_EOS = "eos"
+FINISH_STOP = "stop"
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+class QueueFull(RuntimeError):
+    """Admission control: every slot is taken and the waiting queue is at its bound."""
+
+
+@dataclass
+class ServedStats:
+    """What the client learns about its request: sizes, speculation counts and timings."""
+
+    prompt_tokens: int
+    arrival: float
+    completion_tokens: int = 0
+    spec: RequestStats = field(default_factory=RequestStats)
+    started_at: float | None = None       # prefill began
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    replica: int = -1
+
+    @property
+    def queue_time(self) -> float:
+        return (self.started_at or self.finished_at or self.arrival) - self.arrival
+
+    @property
+    def time_to_first_token(self) -> float:
+        return self.first_token_at - self.arrival if self.first_token_at is not None else 0.0
+
+    @property
+    def total_time(self) -> float:
+        return (self.finished_at or self.arrival) - self.arrival
+
+
+@dataclass
+class TokensEvent:
+    tokens: list[int]
+
+
+@dataclass
+class FinishEvent:
+    reason: str
+    stats: ServedStats
+    error: str = ""
+
+
+class SchedulerObserver:
+    """Hooks for metrics; every method is a no-op here."""
+
+    def on_queue(self, waiting: int, running: int) -> None: ...
+    def on_first_token(self, seconds: float) -> None: ...
+    def on_step(self, replica: int, draft: Draft, result: VerifyResult, depth: int) -> None: ...
+    def on_finish(self, reason: str, stats: ServedStats) -> None: ...
+
+
+@dataclass
+class _Request:
+    seq: Sequence                          # output, stopping rules, γ cap, commit fields, step stats
+    stats: ServedStats
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False                     # finished or cancelled; released at the next step boundary
+
+    @property
+    def id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def new(self) -> NewRequest:
+        return self.seq.request
+
+
+class RequestHandle:
+    """Async iterator over a request's TokensEvents, ending with (and including) its FinishEvent."""
+
+    def __init__(self, request: _Request):
+        self.request_id = request.id
+        self._events = request.events
+        self._finished = False
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> TokensEvent | FinishEvent:
+        if self._finished:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        self._finished = isinstance(event, FinishEvent)
+        return event
+
+
+@dataclass
+class _Group:
+    members: list[_Request] = field(default_factory=list)
+    pending: list[_Request] = field(default_factory=list)   # admitted, started at the next step
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def size(self) -> int:
+        return len(self.members) + len(self.pending)
+
+
+class _Replica:
+    def __init__(self, index: int, target: WorkerHandle, drafter: WorkerHandle, capacity: int, groups: int):
+        self.index = index
+        self.target = target
+        self.drafter = drafter
+        self.capacity = capacity
+        self.groups = [_Group() for _ in range(groups)]
+        self.steps = 0
+        self.drafter_version = ""
+        self.busy_base = (0.0, 0.0)        # workers' busy_seconds when the scheduler started
+        self.active_seconds = 0.0          # wall time with at least one request on this replica
+        self.active_since: float | None = None
+
+    def size(self) -> int:
+        return sum(g.size() for g in self.groups)
+
+    def active_total(self, now: float) -> float:
+        return self.active_seconds + (now - self.active_since if self.active_since is not None else 0.0)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        replicas: list[tuple[Any, Any]],
+        *,
+        capacity: int | list[int],
+        max_queue: int,
+        max_running: int,
+        pipeline_groups: int,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        observer: SchedulerObserver | None = None,
+    ):
+        if not replicas:
+            raise ValueError("a scheduler needs at least one (target, drafter) replica")
+        if pipeline_groups < 1:
+            raise ValueError(f"pipeline_groups must be >= 1, got {pipeline_groups}")
+        caps = capacity if isinstance(capacity, list) else [capacity] * len(replicas)
+        self.replicas = [
+            _Replica(i, _handle(t, f"target-{i}"), _handle(d, f"drafter-{i}"), caps[i], pipeline_groups)
+            for i, (t, d) in enumerate(replicas)
+        ]
+        self.max_queue = max_queue
+        self.max_running = max_running
+        self.pipeline_groups = pipeline_groups
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.observer = observer or SchedulerObserver()
+        self._waiting: deque[_Request] = deque()
+        self._requests: dict[str, _Request] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        self.finished = 0
+        self.tokens_generated = 0
+        self.drafted = 0        # totals over finished requests (plain counters: a server runs for weeks)
+        self.accepted = 0
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        for rep in self.replicas:
+            rep.busy_base = await self._busy_seconds(rep)
+            self._tasks += [asyncio.create_task(self._run_group(rep, g)) for g in rep.groups]
+
+    async def reset_stats(self) -> None:
+        """Start counting afresh (after warm-up): totals, busy baselines, active time."""
+        self.finished = 0
+        self.tokens_generated = 0
+        self.drafted = 0
+        self.accepted = 0
+        now = time.perf_counter()
+        for rep in self.replicas:
+            rep.busy_base = await self._busy_seconds(rep)
+            rep.steps = 0
+            rep.active_seconds = 0.0
+            rep.active_since = now if rep.active_since is not None else None
+
+    async def stop(self) -> None:
+        """Cancel every request, stop the loops, free every slot."""
+        self._closing = True
+        for req in list(self._requests.values()):
+            self._finish(req, FINISH_CANCELLED)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for rep in self.replicas:
+            ids = [r.id for g in rep.groups for r in g.members]
+            if ids:
+                await asyncio.gather(
+                    rep.target.call("release", ids), rep.drafter.call("release", ids), return_exceptions=True
+                )
+            for g in rep.groups:
+                g.members.clear()
+                g.pending.clear()
+            rep.target.close()
+            rep.drafter.close()
+        self._requests.clear()
+        self._waiting.clear()
+
+    # ---- admission -----------------------------------------------------------------------------
+    def running(self) -> int:
+        return sum(rep.size() for rep in self.replicas)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _has_free_slot(self) -> bool:
+        return self.running() < self.max_running and any(r.size() < r.capacity for r in self.replicas)
+
+    def submit(self, new: NewRequest, *, ignore_eos: bool = False) -> RequestHandle:
+        """Queue a request; raises QueueFull when every slot is taken and the queue is at max_queue."""
+        if self._closing:
+            raise QueueFull("the server is shutting down")
+        if new.request_id in self._requests:
+            raise ValueError(f"request id {new.request_id!r} is already in use")
+        if not self._has_free_slot() and len(self._waiting) >= self.max_queue:
+            raise QueueFull(
+                f"server is at capacity: {self.running()} running, {len(self._waiting)} waiting "
+                f"(server.max_queue={self.max_queue})"
+            )
+        seq = Sequence(new, () if ignore_eos else self.eos_token_ids)
+        req = _Request(seq, ServedStats(len(new.prompt_token_ids), arrival=seq.arrival, spec=seq.stats))
+        self._requests[req.id] = req
+        self._waiting.append(req)
+        self._dispatch()
+        return RequestHandle(req)
+
+    def abort(self, request_id: str, reason: str = FINISH_CANCELLED) -> None:
+        """Stop a request (client cancel, deadline, stop string). Its slots are freed at the next step
+        boundary of its group; a queued request just leaves the queue."""
+        req = self._requests.get(request_id)
+        if req is None or req.done:
+            return
+        self._finish(req, reason)
+        if req in self._waiting:
+            self._waiting.remove(req)
+            del self._requests[req.id]
+        for rep in self.replicas:
+            for g in rep.groups:
+                if req in g.pending:
+                    g.pending.remove(req)
+                    del self._requests[req.id]
+                    self._update_activity(rep)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Move waiting requests into the least loaded replica's smallest group."""
+        while self._waiting and self.running() < self.max_running:
+            free = [r for r in self.replicas if r.size() < r.capacity]
+            if not free:
+                break
+            rep = min(free, key=_Replica.size)
+            req = self._waiting.popleft()
+            req.stats.replica = rep.index
+            group = min(rep.groups, key=_Group.size)
+            group.pending.append(req)
+            group.wake.set()
+            self._update_activity(rep)
+        self.observer.on_queue(len(self._waiting), self.running())
+
+    def _update_activity(self, rep: _Replica) -> None:
+        now = time.perf_counter()
+        if rep.size() > 0 and rep.active_since is None:
+            rep.active_since = now
+        elif rep.size() == 0 and rep.active_since is not None:
+            rep.active_seconds += now - rep.active_since
+            rep.active_since = None
+
+    # ---- the step loop -------------------------------------------------------------------------
+    async def _run_group(self, rep: _Replica, group: _Group) -> None:
+        while not self._closing:
+            group.wake.clear()
+            if not group.size():
+                await group.wake.wait()
+                continue
+            try:
+                await self._step(rep, group)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a worker failure must not take the router down with it
+                log.exception("replica %d: step failed", rep.index)
+                for req in group.members + group.pending:
+                    self._finish(req, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
+                group.members += group.pending
+                group.pending = []
+                await self._retire(rep, group)
+
+    async def _step(self, rep: _Replica, group: _Group) -> None:
+        await self._retire(rep, group)
+        if group.pending:
+            new, group.pending = group.pending, []
+            group.members += new
+            await self._start(rep, new)
+            await self._retire(rep, group)
+        live = [r for r in group.members if not r.done]
+        if not live:
+            return
+        ids = [r.id for r in live]
+        # Target-only requests (the baseline) never touch the drafter: an empty draft verifies one token.
+        drafting = [r for r in live if r.new.spec.enabled]
+        proposed = []
+        if drafting:
+            proposed = await rep.drafter.call("propose", [self._draft_item(r) for r in drafting])
+        plain = [Draft(r.id, []) for r in live if not r.new.spec.enabled]
+        drafts = _in_order([*proposed, *plain], ids, "propose")
+        results = _in_order(await rep.target.call("verify", drafts), ids, "verify")
+        rep.steps += 1
+        for req, draft, result in zip(live, drafts, results, strict=True):
+            self._apply_step(rep, req, draft, result)
+        await self._retire(rep, group)
+
+    async def _start(self, rep: _Replica, new: list[_Request]) -> None:
+        todo = [r for r in new if not r.done]
+        if not todo:
+            return
+        now = time.perf_counter()
+        for req in todo:
+            req.stats.started_at = now
+        first = await rep.target.call("start", [r.new for r in todo])
+        for req, tokens in zip(todo, first, strict=True):
+            if not req.done:
+                self._deliver(req, req.seq.start(list(tokens)))
+        cont = [(r, list(t)) for r, t in zip(todo, first, strict=True) if not r.done and r.new.spec.enabled]
+        if cont:
+            await rep.drafter.call("start", [r.new for r, _ in cont], [t for _, t in cont])
+
+    def _draft_item(self, req: _Request) -> DraftItem:
+        # Sequence caps γ at remaining - 1 (a step emits accepted + 1 tokens) and carries the commit.
+        return req.seq.next_draft_item()
+
+    def _apply_step(self, rep: _Replica, req: _Request, draft: Draft, result: VerifyResult) -> None:
+        if draft.drafter_version:
+            rep.drafter_version = draft.drafter_version
+        depth = result.depth if result.depth is not None else result.num_drafted
+        self.observer.on_step(rep.index, draft, result, depth)
+        if req.done:          # cancelled while the step ran: its tokens are never shown
+            return
+        version = draft.drafter_version if result.num_drafted else None
+        self._deliver(req, req.seq.apply(result, drafter_version=version))
+
+    def _deliver(self, req: _Request, emitted: list[int]) -> None:
+        """Hand emitted tokens (already cut at EOS and max_new_tokens by Sequence) to the client."""
+        if emitted:
+            if req.stats.first_token_at is None:
+                req.stats.first_token_at = req.seq.first_token_time
+                self.observer.on_first_token(req.stats.time_to_first_token)
+            req.stats.completion_tokens = len(req.seq.output)
+            self.tokens_generated += len(emitted)
+            req.events.put_nowait(TokensEvent(emitted))
+        if req.seq.finished:
+            self._finish(req, FINISH_EOS if req.seq.finish_reason == "stop" else FINISH_LENGTH)
+
+    def _finish(self, req: _Request, reason: str, error: str = "") -> None:
+        if req.done:
+            return
+        req.done = True
+        req.seq.abort(reason)
+        req.stats.finished_at = req.seq.finish_time
+        self.finished += 1
+        self.drafted += req.stats.spec.drafted
+        self.accepted += req.stats.spec.accepted
+        req.events.put_nowait(FinishEvent(reason, req.stats, error))
+        self.observer.on_finish(reason, req.stats)
+
+    async def _retire(self, rep: _Replica, group: _Group) -> None:
+        """Release finished and cancelled members on both workers, then admit waiting requests."""
+        done = [r for r in group.members if r.done]
+        if not done:
+            return
+        ids = [r.id for r in done]
+        results = await asyncio.gather(
+            rep.target.call("release", ids), rep.drafter.call("release", ids), return_exceptions=True
+        )
+        for res in results:
+            if isinstance(res, BaseException):
+                log.error("replica %d: release of %s failed: %r", rep.index, ids, res)
+        group.members = [r for r in group.members if not r.done]
+        for req in done:
+            self._requests.pop(req.id, None)
+        self._update_activity(rep)
+        self._dispatch()
+
+    # ---- statistics ----------------------------------------------------------------------------
+    async def _busy_seconds(self, rep: _Replica) -> tuple[float, float]:
+        t, d = await asyncio.gather(rep.target.call("busy_seconds"), rep.drafter.call("busy_seconds"))
+        return float(t), float(d)
+
+    async def worker_stats(self) -> list[dict]:
+        """Per replica: busy fractions of both workers over the time it had requests, and their overlap.
+
+        overlap_fraction = max(0, target + drafter busy - active) / active is the least share of the
+        active time in which both computed at once; an unpipelined schedule keeps it near 0.
+        """
+        now = time.perf_counter()
+        out = []
+        for rep in self.replicas:
+            t, d = await self._busy_seconds(rep)
+            t -= rep.busy_base[0]
+            d -= rep.busy_base[1]
+            active = rep.active_total(now)
+            scale = 1.0 / active if active > 0 else 0.0
+            out.append({
+                "replica": rep.index,
+                "drafter_version": rep.drafter_version,
+                "target_busy_s": t,
+                "drafter_busy_s": d,
+                "active_s": active,
+                "target_busy_fraction": t * scale,
+                "drafter_busy_fraction": d * scale,
+                "overlap_fraction": max(0.0, t + d - active) * scale,
+                "running": rep.size(),
+                "free_slots": rep.capacity - rep.size(),
+                "steps": rep.steps,
+            })
+        return out
+
+    async def generate(self, new: NewRequest, *, ignore_eos: bool = False) -> tuple[list[int], FinishEvent]:
+        """Run one request to the end (warm-up, tests)."""
+        tokens: list[int] = []
+        async for event in self.submit(new, ignore_eos=ignore_eos):
+            if isinstance(event, TokensEvent):
+                tokens += event.tokens
+            else:
+                return tokens, event
+        raise RuntimeError("request stream ended without a FinishEvent")
+
+
+def _handle(worker: Any, name: str) -> WorkerHandle:
+    return worker if isinstance(worker, WorkerHandle) else WorkerHandle(worker, name)
+
+
+def _in_order(records: list, ids: list[str], what: str) -> list:
+    """The worker's records in the order of `ids`; a missing or extra record is a worker bug."""
+    by_id = {r.request_id: r for r in records}
+    if len(records) != len(ids) or set(by_id) != set(ids):
+        raise RuntimeError(f"{what} returned records for {sorted(by_id)}, expected {sorted(ids)}")
+    return [by_id[i] for i in ids]

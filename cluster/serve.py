@@ -1,0 +1,272 @@
+"""`specd serve`: bring the whole system up, serve until SIGINT/SIGTERM, shut down cleanly.
+
+Order of bring-up: the gRPC server first (health NOT_SERVING, so probes see the process), then Ray,
+the target model directory and tokenizer, the placement group and worker actors, the scheduler, a
+warm-up request per replica, the metrics endpoint; then health turns SERVING and the address is
+printed. Shutdown runs the same list backwards. `specd generate` is the matching small client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from configs.schema import ServerConfig, SpecdConfig
+from workers.core.sampling import SamplingParams
+from workers.engine.types import NewRequest, SpecParams
+
+log = logging.getLogger(__name__)
+WORKER_STATS_PERIOD_S = 10.0
+
+
+@dataclass
+class ServeHandle:
+    """Given to ready_callback once the server is SERVING; stop() may be called from any thread."""
+
+    address: str
+    port: int
+    metrics_port: int | None
+    info: dict
+    _loop: asyncio.AbstractEventLoop = field(repr=False)
+    _stop: asyncio.Event = field(repr=False)
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+
+
+@dataclass
+class _Resources:
+    """What bring-up has created so far; shutdown frees exactly that."""
+
+    grpc: Any = None
+    started_ray: bool = False
+    cluster: Any = None
+    scheduler: Any = None
+    metrics_http: Any = None
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+def serve(cfg: SpecdConfig, ready_callback=None) -> int:
+    """Run the server until SIGINT/SIGTERM (main thread) or ServeHandle.stop(); returns an exit code."""
+    return asyncio.run(_serve(cfg, ready_callback))
+
+
+async def _serve(cfg: SpecdConfig, ready_callback) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    in_main = threading.current_thread() is threading.main_thread()
+
+    def install_signals() -> None:
+        if in_main:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+
+    install_signals()
+    res = _Resources()
+    try:
+        bring_up = asyncio.create_task(_bring_up(cfg, res, loop, stop, ready_callback, install_signals))
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({bring_up, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not bring_up.done():          # a signal during loading: stop loading
+            bring_up.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await bring_up               # re-raises a bring-up failure
+        await stopper
+        return 0
+    finally:
+        await _shut_down(res)
+        if in_main:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+async def _bring_up(
+    cfg: SpecdConfig, res: _Resources, loop, stop: asyncio.Event, ready_callback, install_signals
+) -> None:
+    from cluster import actors
+    from cluster.metrics import SpecdMetrics
+    from cluster.router import Backend, GrpcServer, SpecdServicer
+    from cluster.scheduler import Scheduler
+    from cluster.validation import Bounds, HFCodec
+    from workers.models.loader import ensure_target_model, load_tokenizer
+
+    t0 = time.perf_counter()
+    res.grpc = GrpcServer(SpecdServicer(), cfg.server.host, cfg.server.port)
+    await res.grpc.start()
+    log.info("gRPC on %s (NOT_SERVING while loading)", res.grpc.address)
+
+    res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
+    install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
+    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
+    codec = HFCodec(await asyncio.to_thread(load_tokenizer, model_dir))
+    res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir))
+    await res.cluster.placement_group.ready()
+    infos = await asyncio.gather(*[r.target.info.remote() for r in res.cluster.replicas])
+    drafter_slots = await asyncio.gather(*[r.drafter.max_slots.remote() for r in res.cluster.replicas])
+    capacity = [min(int(i["max_slots"]), int(d)) for i, d in zip(infos, drafter_slots, strict=True)]
+    info = infos[0]
+    log.info("workers up after %.1f s: %s on %d replica(s)", time.perf_counter() - t0, info["model"],
+             len(infos))
+
+    metrics = SpecdMetrics()
+    res.scheduler = Scheduler(
+        [(r.target, r.drafter) for r in res.cluster.replicas],
+        capacity=capacity,
+        max_queue=cfg.server.max_queue,
+        max_running=cfg.server.max_running,
+        pipeline_groups=cfg.server.pipeline_groups,
+        eos_token_ids=info["eos_token_ids"],
+        observer=metrics,
+    )
+    await res.scheduler.start()
+    if cfg.server.warmup:
+        await _warm_up(res.scheduler, codec, cfg, len(infos))
+        await res.scheduler.reset_stats()
+        log.info("warm after %.1f s", time.perf_counter() - t0)
+
+    metrics_port = None
+    if cfg.server.metrics_port:
+        res.metrics_http, metrics_port = metrics.serve_http(cfg.server.metrics_port, cfg.server.host)
+    res.tasks.append(asyncio.create_task(_poll_worker_stats(res.scheduler, metrics)))
+
+    backend = Backend(
+        scheduler=res.scheduler, codec=codec, bounds=Bounds.from_config(cfg, info), model=info["model"],
+        eos_token_ids=tuple(info["eos_token_ids"]), replicas=len(infos),
+        pipeline_groups=cfg.server.pipeline_groups, max_queue=cfg.server.max_queue, metrics=metrics,
+    )
+    await res.grpc.attach(backend)
+    metrics_note = f", metrics on http://{cfg.server.host}:{metrics_port}/metrics" if metrics_port else ""
+    print(f"specd serving {info['model']} on {res.grpc.address}{metrics_note}", flush=True)
+    if ready_callback is not None:
+        ready_callback(ServeHandle(res.grpc.address, res.grpc.port, metrics_port, info, loop, stop))
+
+
+async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:
+    """One short greedy request per replica (the dispatcher spreads them), so the first client does
+    not pay for lazy initialisation in the workers."""
+    prompt = codec.encode("Hello")
+    spec = SpecParams(gamma=cfg.spec.gamma, policy=cfg.spec.policy, tree_width=cfg.spec.tree_width,
+                      enabled=cfg.spec.enabled)
+    reqs = [NewRequest(f"warmup-{i}", prompt, SamplingParams(), 4, spec) for i in range(replicas)]
+    for _, fin in await asyncio.gather(*[scheduler.generate(r, ignore_eos=True) for r in reqs]):
+        if fin.reason == "error":
+            raise RuntimeError(f"warm-up failed: {fin.error}")
+
+
+async def _poll_worker_stats(scheduler, metrics) -> None:
+    while True:
+        await asyncio.sleep(WORKER_STATS_PERIOD_S)
+        try:
+            metrics.set_worker_stats(await scheduler.worker_stats())
+        except Exception:  # a dying worker must not end the poller; the next poll tries again
+            log.warning("worker stats poll failed", exc_info=True)
+
+
+async def _shut_down(res: _Resources) -> None:
+    for task in res.tasks:
+        task.cancel()
+    if res.grpc is not None:
+        await res.grpc.stop(grace=2.0)
+    if res.scheduler is not None:
+        await res.scheduler.stop()
+    if res.metrics_http is not None:
+        res.metrics_http.shutdown()
+    if res.cluster is not None:
+        from cluster.actors import shutdown_cluster
+
+        await asyncio.to_thread(shutdown_cluster, res.cluster)
+    if res.started_ray:
+        import ray
+
+        await asyncio.to_thread(ray.shutdown)
+    log.info("specd stopped")
+
+
+# ---- command line ------------------------------------------------------------------------------
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from configs import load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(load_config(args.overrides))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cluster.client import SpecdClient
+
+    kw: dict[str, Any] = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop=args.stop or (), gamma=args.gamma,
+        tree_width=args.tree_width, gamma_policy=args.gamma_policy or "",
+        speculation=False if args.no_speculation else None,
+    )
+    kw["text" if args.raw else "prompt"] = args.prompt
+    try:
+        with SpecdClient(args.address, timeout=args.timeout) as client:
+            if args.stream:
+                usage, reason = {}, ""
+                for chunk in client.stream(**kw):
+                    print(chunk.text, end="", flush=True)
+                    usage, reason = chunk.usage or usage, chunk.finish_reason or reason
+                print()
+            else:
+                out = client.generate(**kw)
+                print(out.text)
+                usage, reason = out.usage, out.finish_reason
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(
+        f"[{reason}] {usage.get('completion_tokens', 0)} tokens in {usage.get('total_time_s', 0):.2f} s, "
+        f"ttft {usage.get('time_to_first_token_s', 0):.3f} s, accepted {usage.get('accepted', 0)}/"
+        f"{usage.get('drafted', 0)} drafted, mean accepted length {usage.get('mean_accepted_length', 0):.2f}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """Register `specd serve` and `specd generate` (called by cluster/cli.py)."""
+    p = subparsers.add_parser("serve", help="start the gRPC server (local Ray by default)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. server.port=50052 spec.gamma=6")
+    p.set_defaults(func=_cmd_serve)
+
+    default_address = f"{ServerConfig.host}:{ServerConfig.port}"
+    g = subparsers.add_parser("generate", help="send one prompt to a running server")
+    g.add_argument("prompt", help="a user message (rendered with the chat template), or raw text with --raw")
+    g.add_argument("--address", default=default_address, help=f"server address (default {default_address})")
+    g.add_argument("--stream", action="store_true", help="print text as it is generated")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, not a chat message")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--gamma", type=int, default=None, help="draft length budget per step")
+    g.add_argument("--tree-width", type=int, default=None, help="1 = chain; >1 = token tree")
+    g.add_argument("--gamma-policy", default=None, help="fixed, egag or adaptive")
+    g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    g.set_defaults(func=_cmd_generate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cluster.serve [overrides]`: the same as `specd serve` (benchmarks start it this way)."""
+    parser = argparse.ArgumentParser(prog="python -m cluster.serve")
+    parser.add_argument("overrides", nargs="*")
+    return _cmd_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,492 @@
+"""`specd bootstrap-drafter`: the default drafter, distilled from the target model on its own text.
+
+Recipe (what worked on this machine, see FACTS.md): the target's first `num_layers` layers, its
+embedding (frozen), and a `head_vocab`-row head cut from the target head at the tokens the target
+itself emits most often; distilled with forward KL on the target's top-k log-probabilities.
+
+Phases:
+  1. teacher     the target generates continuations of the chat-templated TRAIN prompts (greedy and
+                 some at T=0.7) and of a few EVAL prompts (greedy); every generated position keeps
+                 the target's top-k log-probabilities. Cached on disk, keyed by everything it depends on.
+  2. head vocab  token frequencies of the generated train text choose the reduced head.
+  3. distill     AdamW on the top-k forward KL; greedy match on the eval sequences before and after.
+  4. publish     an atomically written drafter directory (drafter_format.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from drafter_trainer import data
+from drafter_trainer.distill import DrafterLM, TeacherSequence, evaluate, train_drafter
+from drafter_trainer.drafter_format import make_drafter_config, save_drafter
+
+# A teacher maps prompts (token ids) to generated sequences with labels. The transformers one below is
+# the reference; a faster engine (vLLM with logprobs) can be dropped in behind the same signature.
+Teacher = Callable[[Sequence[list[int]], float, int], list[TeacherSequence]]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECD_CACHE") or Path.home() / ".cache" / "specd")
+
+
+@dataclass
+class BootstrapConfig:
+    target_dir: str | None = None  # None: workers.models.loader.ensure_target_model()
+    out_dir: str | None = None  # None: <cache_root>/drafters/boot-default
+    sources: tuple[str, ...] = data.SOURCES
+    num_prompts: int = 160  # train prompts the target continues
+    num_eval_prompts: int = 24  # held-out eval prompts for the greedy match
+    max_new_tokens: int = 160
+    sample_fraction: float = 0.25  # share of train prompts continued at `temperature` instead of greedy
+    temperature: float = 0.7
+    gen_batch_size: int = 16
+    num_layers: int = 2
+    head_vocab: int = 4096
+    prompt_count_weight: float = 0.25  # prompt tokens count this much toward the head vocabulary
+    top_k_logprobs: int = 32
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    epochs: float = 4.0  # passes over the train sequences, unless max_steps is set
+    max_steps: int | None = None
+    batch_size: int = 4  # sequences per optimizer step
+    warmup_steps: int = 10
+    seed: int = 0
+    threads: int = 2
+    reuse_teacher_data: bool = True
+    progress: bool = True
+    extra_meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> BootstrapConfig:
+        """Small enough for CI on 2 CPU cores (a couple of minutes) and still a valid drafter."""
+        base = dict(num_prompts=24, num_eval_prompts=6, max_new_tokens=48, gen_batch_size=12, epochs=3.0)
+        return cls(**{**base, **overrides})
+
+    def resolved_out_dir(self) -> Path:
+        return Path(self.out_dir) if self.out_dir else cache_root() / "drafters" / "boot-default"
+
+
+# ---------------------------------------------------------------------------------------------- teacher
+
+
+def _topk_of_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs = F.log_softmax(logits.float(), dim=-1)  # [b, V]
+    values, ids = logprobs.topk(k, dim=-1)  # sorted: column 0 is the target argmax
+    return values, ids
+
+
+@torch.no_grad()
+def hf_generate_teacher(
+    target: Any,
+    prompts: Sequence[list[int]],
+    temperature: float,
+    max_new_tokens: int,
+    top_k: int,
+    batch_size: int,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    desc: str = "teacher",
+    progress: bool = True,
+) -> list[TeacherSequence]:
+    """Continue each prompt with transformers `generate`, keeping the target's top-k logprobs.
+
+    The labels are the target's UNPROCESSED distribution (output_logits, before temperature), since
+    that is what a drafter must match whatever sampling settings a request uses. Prompts are batched
+    in length order to keep left padding small; results come back in the input order.
+    """
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[TeacherSequence | None] = [None] * len(prompts)
+    eos = torch.tensor(list(eos_ids))
+    sample = temperature > 0
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, dynamic_ncols=True)
+    generated_total, t0 = 0, time.perf_counter()
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            input_ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            attention_mask[r, width - len(prompts[i]) :] = 1
+        out = target.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            temperature=temperature if sample else None,
+            top_k=0 if sample else None,
+            top_p=1.0 if sample else None,
+            eos_token_id=list(eos_ids),
+            pad_token_id=pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        # One [b, k] pair per generated step, reduced immediately: the raw logits are b x V per step.
+        topk = [_topk_of_logits(step_logits, top_k) for step_logits in out.logits]
+        values = torch.stack([v for v, _ in topk], dim=1)  # [b, G, k]
+        ids = torch.stack([i for _, i in topk], dim=1)  # [b, G, k]
+        new_tokens = out.sequences[:, width:]  # [b, G]
+        for r, i in enumerate(rows):
+            hits = torch.isin(new_tokens[r], eos).nonzero()
+            n_new = (
+                int(hits[0]) + 1 if hits.numel() else new_tokens.shape[1]
+            )  # keep the EOS: it is drafted too
+            results[i] = TeacherSequence(
+                token_ids=torch.cat([torch.tensor(prompts[i]), new_tokens[r, :n_new]]),
+                first_label=len(prompts[i]) - 1,
+                topk_logprobs=values[r, :n_new].clone(),
+                topk_ids=ids[r, :n_new].clone(),
+            )
+            generated_total += n_new
+        bar.update(len(rows))
+        bar.set_postfix(tok_s=f"{generated_total / (time.perf_counter() - t0):.1f}")
+    bar.close()
+    return [s for s in results if s is not None]
+
+
+def _save_sequences(path: Path, sequences: Sequence[TeacherSequence]) -> None:
+    lengths = torch.tensor([s.token_ids.numel() for s in sequences])
+    tensors = {
+        "token_ids": torch.cat([s.token_ids for s in sequences]),
+        "lengths": lengths,
+        "first_label": torch.tensor([s.first_label for s in sequences]),
+        "n_labels": torch.tensor([s.n_labels for s in sequences]),
+        "topk_logprobs": torch.cat([s.topk_logprobs for s in sequences]),
+        "topk_ids": torch.cat([s.topk_ids for s in sequences]),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _load_sequences(path: Path) -> list[TeacherSequence]:
+    t = load_file(str(path))
+    tokens = t["token_ids"].split(t["lengths"].tolist())
+    logprobs = t["topk_logprobs"].split(t["n_labels"].tolist())
+    ids = t["topk_ids"].split(t["n_labels"].tolist())
+    return [
+        TeacherSequence(tok.clone(), int(fl), lp.clone(), i.clone())
+        for tok, fl, lp, i in zip(tokens, t["first_label"].tolist(), logprobs, ids, strict=True)
+    ]
+
+
+def _teacher_cache_path(target_dir: Path, what: dict[str, Any]) -> Path:
+    weights = target_dir / "model.safetensors"
+    key = {"target": target_dir.name, "weights_bytes": weights.stat().st_size, **what}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "bootstrap_data" / f"teacher-{digest}.safetensors"
+
+
+def cached_teacher(
+    cfg: BootstrapConfig,
+    target_dir: Path,
+    name: str,
+    prompts: Sequence[list[int]],
+    temperature: float,
+    make: Callable[[], list[TeacherSequence]],
+) -> tuple[list[TeacherSequence], bool]:
+    """Sequences from the cache when an identical request was generated before, else `make()`."""
+    what = {
+        "name": name,
+        "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest(),
+        "temperature": temperature,
+        "max_new_tokens": cfg.max_new_tokens,
+        "top_k": cfg.top_k_logprobs,
+        "batch": cfg.gen_batch_size,
+        "seed": cfg.seed,
+    }
+    path = _teacher_cache_path(target_dir, what)
+    if cfg.reuse_teacher_data and path.is_file():
+        return _load_sequences(path), True
+    sequences = make()
+    if sequences:
+        _save_sequences(path, sequences)
+    return sequences, False
+
+
+# ------------------------------------------------------------------------------------- drafter init
+
+
+def build_head_vocab(
+    sequences: Sequence[TeacherSequence],
+    head_vocab: int,
+    vocab_size: int,
+    always_include: Sequence[int] = (),
+    prompt_weight: float = 0.25,
+) -> torch.Tensor:
+    """[head_vocab] sorted target ids: the tokens the target emits most often on the train prompts.
+
+    Generated tokens count 1, prompt tokens `prompt_weight` (they add names and numbers the answers
+    copy). Unseen tokens are ranked by id: byte-level BPE ids follow merge order, which roughly
+    follows corpus frequency, so low ids are the better guess. `always_include` (EOS) is forced in.
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in sequences:
+        prompt_len = s.first_label + 1
+        counts.index_add_(
+            0, s.token_ids[prompt_len:], torch.ones(s.token_ids.numel() - prompt_len, dtype=torch.float64)
+        )
+        counts.index_add_(
+            0, s.token_ids[:prompt_len], torch.full((prompt_len,), prompt_weight, dtype=torch.float64)
+        )
+    forced = torch.tensor(sorted(set(always_include)), dtype=torch.long)
+    # Tie-break by id: a tiny bonus decreasing with id, far below the smallest real count.
+    score = counts + (vocab_size - torch.arange(vocab_size, dtype=torch.float64)) / vocab_size * 1e-3
+    score[forced] = float("inf")
+    return score.topk(min(head_vocab, vocab_size)).indices.sort().values
+
+
+def init_student(target_dir: Path, num_layers: int, draft_vocab_ids: torch.Tensor) -> DrafterLM:
+    """The target's first `num_layers` layers, final norm and embedding; head rows of draft_vocab_ids."""
+    target_config = json.loads((target_dir / "config.json").read_text())
+    config = make_drafter_config(target_config, num_layers, draft_vocab_ids.numel())
+    keep = ("model.embed_tokens.", "model.norm.", *(f"model.layers.{i}." for i in range(num_layers)))
+    state: dict[str, torch.Tensor] = {}
+    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        for name in names:
+            if name.startswith(keep):
+                state[name] = f.get_tensor(name).float()
+        # Tied embeddings (SmolLM2) store no lm_head: the head is the embedding matrix.
+        head = f.get_tensor("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
+    state["lm_head.weight"] = head.float()[draft_vocab_ids].clone()
+    state["draft_vocab_ids"] = draft_vocab_ids
+    model = DrafterLM.from_state_dict(config, state)
+    model.freeze_embeddings()
+    return model
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+def resolve_target_dir(target_dir: str | None) -> Path:
+    """The target as a float32 safetensors HF directory (converted from the GGUF once, then cached)."""
+    from workers.models.loader import ensure_target_model  # lazy: conversion pulls in gguf/transformers
+
+    return Path(ensure_target_model(target_dir))
+
+
+def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> Path:
+    """Build the default drafter from the target and write it to cfg's output dir; returns that dir."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.models.loader import load_tokenizer
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        timings[phase] = round(now - t, 1)
+        t = now
+        if cfg.progress:
+            print(f"[bootstrap] {phase}: {timings[phase]:.1f} s", flush=True)
+
+    target_dir = resolve_target_dir(cfg.target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    vocab_size = int(json.loads((target_dir / "config.json").read_text())["vocab_size"])
+    eos_ids = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")} - {None})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+
+    train_prompts = data.load_prompts("train", cfg.sources, limit=cfg.num_prompts)
+    eval_prompts = data.load_prompts("eval", cfg.sources, limit=cfg.num_eval_prompts)
+    train_ids = [data.encode_chat(tokenizer, p) for p in train_prompts]
+    eval_ids = [data.encode_chat(tokenizer, p) for p in eval_prompts]
+    # Every 1/sample_fraction-th prompt (deterministic) is sampled, so the mix holds for any prefix.
+    n_sampled = round(len(train_ids) * cfg.sample_fraction)
+    sampled_rows = {round(j / cfg.sample_fraction) for j in range(n_sampled)} if n_sampled else set()
+    groups = [
+        ("train-greedy", [x for j, x in enumerate(train_ids) if j not in sampled_rows], 0.0),
+        ("train-sampled", [x for j, x in enumerate(train_ids) if j in sampled_rows], cfg.temperature),
+        ("eval-greedy", eval_ids, 0.0),
+    ]
+
+    target = None
+
+    def default_teacher(prompts: Sequence[list[int]], temperature: float, seed: int) -> list[TeacherSequence]:
+        nonlocal target
+        if target is None:
+            target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        torch.manual_seed(seed)
+        return hf_generate_teacher(
+            target,
+            prompts,
+            temperature,
+            cfg.max_new_tokens,
+            cfg.top_k_logprobs,
+            cfg.gen_batch_size,
+            eos_ids,
+            pad_id,
+            desc=f"teacher T={temperature}",
+            progress=cfg.progress,
+        )
+
+    run_teacher = teacher or default_teacher
+    sequences: dict[str, list[TeacherSequence]] = {}
+    cache_hits = []
+    for name, prompts, temperature in groups:
+        if not prompts:
+            sequences[name] = []
+            continue
+        sequences[name], hit = cached_teacher(
+            cfg,
+            target_dir,
+            name,
+            prompts,
+            temperature,
+            lambda p=prompts, T=temperature: run_teacher(p, T, cfg.seed),
+        )
+        if hit:
+            cache_hits.append(name)
+        lap(f"teacher {name}" + (" (cached)" if hit else ""))
+    target = None  # free the 538 MB target before training
+    train_seqs = sequences["train-greedy"] + sequences["train-sampled"]
+    eval_seqs = sequences["eval-greedy"]
+
+    draft_vocab_ids = build_head_vocab(
+        train_seqs, cfg.head_vocab, vocab_size, eos_ids, cfg.prompt_count_weight
+    )
+    student = init_student(target_dir, cfg.num_layers, draft_vocab_ids)
+    lap("init student")
+
+    before = evaluate(student, eval_seqs, pad_id=pad_id)
+    lap("eval before")
+    steps = cfg.max_steps or max(1, round(cfg.epochs * len(train_seqs) / cfg.batch_size))
+    history = train_drafter(
+        student,
+        train_seqs,
+        steps=steps,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        seed=cfg.seed,
+        pad_id=pad_id,
+        progress=cfg.progress,
+    )
+    lap("distill")
+    after = evaluate(student, eval_seqs, pad_id=pad_id)
+    lap("eval after")
+
+    tail = history[-max(1, len(history) // 10) :]
+    n_generated = {name: sum(s.n_labels for s in seqs) for name, seqs in sequences.items()}
+    meta = {
+        "parent_version": None,
+        "target": target_dir.name,
+        "train": {
+            "recipe": "first layers, frozen target embeddings, frequent-token head, top-k forward KL",
+            "prompts": {
+                "train": len(train_ids),
+                "eval": len(eval_ids),
+                "sources": list(cfg.sources),
+                "splits": {s: data.SPLITS[s] for s in cfg.sources},
+            },
+            "teacher": {
+                "generated_tokens": n_generated,
+                "max_new_tokens": cfg.max_new_tokens,
+                "temperature_sampled": cfg.temperature,
+                "sample_fraction": cfg.sample_fraction,
+                "top_k_logprobs": cfg.top_k_logprobs,
+                "cached": cache_hits,
+            },
+            "num_layers": cfg.num_layers,
+            "head_vocab": int(draft_vocab_ids.numel()),
+            "steps": steps,
+            "batch_size": cfg.batch_size,
+            "lr": cfg.lr,
+            "seed": cfg.seed,
+            "final_train_loss": round(sum(s.loss for s in tail) / len(tail), 4),
+            "eval_before": before.as_dict(),
+            "eval_after": after.as_dict(),
+            "greedy_match_before": round(before.greedy_match, 4),
+            "greedy_match_after": round(after.greedy_match, 4),
+            "timings_s": timings,
+            **cfg.extra_meta,
+        },
+    }
+    out_dir = save_drafter(
+        cfg.resolved_out_dir(),
+        student.state_dict(),
+        student.config,
+        meta,
+        tokenizer_dir=target_dir,
+        version_prefix="boot",
+    )
+    lap("save")
+    if cfg.progress:
+        size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
+        print(
+            f"[bootstrap] greedy match on {after.labelled} held-out eval tokens: "
+            f"{before.greedy_match:.1%} -> {after.greedy_match:.1%} (head covers {after.head_coverage:.1%})\n"
+            f"[bootstrap] drafter {json.loads((out_dir / 'specd_drafter.json').read_text())['version']} "
+            f"({size_mb:.0f} MB) written to {out_dir}",
+            flush=True,
+        )
+    return out_dir
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specd bootstrap-drafter", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny preset for CI (a couple of minutes)")
+    p.add_argument("--out", dest="out_dir", help="output drafter directory")
+    p.add_argument("--target-dir", help="target model directory (default: the converted SmolLM2 cache)")
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--num-eval-prompts", type=int)
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--sample-fraction", type=float)
+    p.add_argument("--gen-batch-size", type=int)
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--head-vocab", type=int)
+    p.add_argument("--top-k-logprobs", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--epochs", type=float)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--threads", type=int)
+    p.add_argument(
+        "--no-cache",
+        dest="reuse_teacher_data",
+        action="store_false",
+        default=None,
+        help="regenerate the teacher data even if cached",
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
+    args = vars(build_arg_parser().parse_args(argv))
+    quick = args.pop("quick")
+    names = {f.name for f in dataclasses.fields(BootstrapConfig)}
+    overrides = {k: v for k, v in args.items() if v is not None and k in names}
+    return BootstrapConfig.quick(**overrides) if quick else BootstrapConfig(**overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    bootstrap_drafter(config_from_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The specd .proto package (specd.v1)."""

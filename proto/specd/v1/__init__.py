@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code of the specd serving API, version 1 (see proto/build.py)."""

@@ -1,0 +1,81 @@
+"""Actor options from config, and the scheduler driving fake workers placed as real Ray actors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import fake_workers
+import pytest
+from fake_workers import EOS, target_only
+
+from cluster import actors
+from cluster.scheduler import FINISH_LENGTH, Scheduler
+from configs.schema import SpecdConfig
+from workers.core.sampling import SamplingParams
+from workers.engine.types import NewRequest, SpecParams
+
+
+def config(**target) -> SpecdConfig:
+    cfg = SpecdConfig(name="test")
+    for key, value in target.items():
+        setattr(cfg.target, key, value)
+    return cfg
+
+
+def test_bundles_give_target_and_drafter_their_own_devices() -> None:
+    cfg = config(replicas=2, num_gpus=1.0, num_cpus=2.0)
+    cfg.drafter.num_gpus = 1.0
+    assert actors.placement_bundles(cfg) == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}] * 2
+    cpu_only = config()
+    assert actors.placement_bundles(cpu_only) == [{"CPU": 1.0}, {"CPU": 1.0}]
+    cpu_only.drafter.num_cpus = 0.0
+    assert actors.placement_bundles(cpu_only)[1] == {"CPU": actors._MIN_CPU}
+
+
+def test_ray_init_starts_a_local_cluster_or_connects() -> None:
+    local = actors.ray_init_kwargs(config(replicas=2))
+    assert local["num_cpus"] >= 5 and local["include_dashboard"] is False and "address" not in local
+    remote = config()
+    remote.ray.address = "ray://head:10001"
+    kwargs = actors.ray_init_kwargs(remote)
+    assert kwargs["address"] == "ray://head:10001" and "num_cpus" not in kwargs
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    # The fakes live in the tests folder, which Ray's worker processes cannot import: ship them by value.
+    ray.cloudpickle.register_pickle_by_value(fake_workers)
+    ray.init(num_cpus=4, include_dashboard=False, namespace="specd-test-actors", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_scheduler_over_ray_actor_handles(ray_session) -> None:
+    cfg = config(replicas=2)
+    cluster = actors.create_cluster(
+        cfg, "/nonexistent", fake_workers.RayFakeTarget, fake_workers.RayFakeDrafter
+    )
+    try:
+        ray_session.get(cluster.placement_group.ready(), timeout=60)
+        pairs = [(r.target, r.drafter) for r in cluster.replicas]
+
+        async def main():
+            sched = Scheduler(pairs, capacity=4, max_queue=8, max_running=8, pipeline_groups=2,
+                              eos_token_ids=[EOS])
+            assert all(rep.target.is_actor and rep.drafter.is_actor for rep in sched.replicas)
+            await sched.start()
+            reqs = [NewRequest(f"r{i}", [i + 1], SamplingParams(), 9, SpecParams(gamma=3), (EOS,))
+                    for i in range(4)]
+            outs = await asyncio.gather(*[sched.generate(r) for r in reqs])
+            stats = await sched.worker_stats()
+            await sched.stop()
+            return outs, stats
+
+        outs, stats = asyncio.run(main())
+    finally:
+        actors.shutdown_cluster(cluster)
+    assert [t for t, _ in outs] == [target_only([i + 1], 9) for i in range(4)]
+    assert all(fin.reason == FINISH_LENGTH for _, fin in outs)
+    assert sorted(fin.stats.replica for _, fin in outs) == [0, 0, 1, 1]
+    assert [s["steps"] > 0 for s in stats] == [True, True]

@@ -1,0 +1,114 @@
+"""`specd bench engine`: planning, the shared `bench` CLI, the child protocol, and one real smoke run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from cluster.bench_child import Events, groups
+from cluster.bench_engine import (
+    FULL,
+    QUICK,
+    add_arguments,
+    add_cli,
+    get_bench_subparsers,
+    kv_cache_bytes,
+    main,
+    resolve_plan,
+)
+from cluster.bench_systems import SYSTEMS, specd_overrides
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_full_plan_is_the_issue_matrix():
+    plan = resolve_plan(parse([]))
+    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 9
+    assert plan.workloads == ["gsm8k", "humaneval"]
+    assert (plan.batch_sizes, plan.temperatures) == ([1, 8], [0.0, 0.7])
+    assert plan.max_new_tokens == 128 and plan.reductions == []
+
+
+def test_quick_plan_says_what_it_reduced_and_explicit_options_win():
+    plan = resolve_plan(parse(["--quick", "--batch-sizes", "1", "--systems", "target-only,specd-ngram"]))
+    assert plan.systems == ["target-only", "specd-ngram"]
+    assert plan.batch_sizes == [1] and plan.workloads == QUICK.workloads
+    said = " ".join(plan.reductions)
+    assert "humaneval" in said and "0.7" in said and "batch sizes: left out 8" in said
+    assert f"{QUICK.max_new_tokens} instead of {FULL.max_new_tokens}" in said
+
+
+def test_unknown_system_is_refused():
+    with pytest.raises(SystemExit, match="unknown system"):
+        resolve_plan(parse(["--systems", "target-only,gpt5"]))
+
+
+def test_bench_subcommands_share_one_bench_parser():
+    parser = argparse.ArgumentParser(prog="specd")
+    sub = parser.add_subparsers(dest="command")
+    add_cli(sub)
+    # A second module (bench serve) adds a sibling under the same `bench` parser.
+    get_bench_subparsers(sub).add_parser("serve").set_defaults(func="serve")
+    args = parser.parse_args(["bench", "engine", "--quick", "--json", "x.json", "drafter.min_ngram=2"])
+    assert args.quick and args.json == "x.json" and args.overrides == ["drafter.min_ngram=2"]
+    assert args.func.__name__ == "run_bench"
+    assert parser.parse_args(["bench", "serve"]).func == "serve"
+    assert list(sub.choices) == ["bench"]
+
+
+def test_specd_overrides_fix_what_the_benchmark_needs():
+    job = {"overrides": ["seed=3"], "model_dir": "/m", "threads": 2, "max_batch": 8, "max_seq_len": 512}
+    out = specd_overrides(SYSTEMS["specd-ngram"], job)
+    assert out[0] == "seed=3" and "drafter.kind=ngram" in out and "target.max_slots=8" in out
+    assert "drafter.kind=model" in specd_overrides(SYSTEMS["specd-tree"], job)
+    assert not any(o.startswith("drafter.kind") for o in specd_overrides(SYSTEMS["target-only"], job))
+
+
+def test_kv_cache_bytes_matches_the_target_layout(tmp_path):
+    cfg = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "num_hidden_layers": 30}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # K and V, 30 layers, 3 KV heads of 64, float32, 256 positions, 8 slots
+    assert kv_cache_bytes(tmp_path, 256, 8) == 2 * 30 * 3 * 64 * 4 * 256 * 8
+
+
+def test_groups_are_consecutive_and_keep_seeds():
+    got = list(groups([[1], [2], [3]], [10, 20, 30], 2))
+    assert got == [([[1], [2]], [10, 20]), ([[3]], [30])]
+
+
+def test_events_batch_token_counts_on_the_pipe():
+    read_fd, write_fd = os.pipe()
+    events = Events(write_fd, flush_every_s=3600.0)
+    events.emit("phase", phase="warmup")
+    events.tokens(3)
+    events.tokens(4)        # held back: less than flush_every_s since the last write
+    events.close()          # flushes the 7 pending tokens
+    with os.fdopen(read_fd) as f:
+        lines = [json.loads(line) for line in f]
+    assert lines == [{"event": "phase", "phase": "warmup"}, {"event": "tokens", "n": 7}]
+
+
+@pytest.mark.slow
+def test_smoke_run_target_only_and_ngram(tmp_path):
+    """Two prompts, 8 tokens, batch 1, greedy: real children, real model, counted tokens."""
+    out = tmp_path / "bench.json"
+    code = main(["--systems", "target-only,specd-ngram", "--workloads", "gsm8k", "--batch-sizes", "1",
+                 "--temperatures", "0", "--num-prompts", "2", "--max-new-tokens", "8",
+                 "--json", str(out), "--log-dir", str(tmp_path / "logs")])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["system"] for r in rows] == ["target-only", "specd-ngram"]
+    for r in rows:
+        assert r["generated_tokens"] == 16 and r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 100
+    baseline, ngram = rows
+    assert baseline["acceptance_rate"] is None and baseline["speedup_vs_target_only"] is None
+    assert ngram["mean_accepted_length"] >= 1.0
+    assert ngram["speedup_vs_target_only"] == pytest.approx(ngram["tokens_per_s"] / baseline["tokens_per_s"])
+    assert ngram["greedy_agreement_vs_target_only"] == 1.0     # lossless: same greedy tokens

@@ -1,0 +1,102 @@
+"""Rows, ratios, table and files of `specd bench engine`, on tiny hand-written measurements."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.bench_report import (
+    add_ratios,
+    make_row,
+    render_table,
+    sort_rows,
+    table_cells,
+    write_json,
+    write_plot,
+)
+
+
+def cell(workload="gsm8k", batch=1, temperature=0.0, generated=100, wall=10.0,
+         per_request=(90.0, 110.0, 50.0), drafted=None, accepted=None, steps=None, emitted=None):
+    return {
+        "workload": workload, "batch": batch, "temperature": temperature, "num_prompts": len(per_request),
+        "requested_tokens": generated, "generated_tokens": generated, "wall_s": wall,
+        "request_ms_per_token": list(per_request), "drafted": drafted, "accepted": accepted,
+        "steps": steps, "emitted": emitted, "outputs": [],
+    }
+
+
+def row(system, tps, speculative=False, **kw):
+    c = cell(generated=int(tps * 10), wall=10.0, **kw)
+    return make_row(system, c, 128, 1000.0, speculative_specd=speculative)
+
+
+def test_make_row_derives_rates_from_counts():
+    r = make_row("specd-chain", cell(drafted=40, accepted=30, steps=20, emitted=50), 128, 812.5, True, 3.0)
+    assert r["tokens_per_s"] == pytest.approx(10.0)
+    assert r["ms_per_token_p50"] == pytest.approx(90.0)       # median of 90, 110, 50
+    assert r["acceptance_rate"] == pytest.approx(0.75)         # accepted / drafted
+    assert r["mean_accepted_length"] == pytest.approx(2.5)     # emitted / steps
+    assert r["peak_rss_mb"] == 812.5 and r["load_s"] == 3.0
+
+
+def test_make_row_without_speculation_has_null_acceptance():
+    r = make_row("target-only", cell(), 128, None, False)
+    assert r["acceptance_rate"] is None and r["mean_accepted_length"] is None
+
+
+def test_ratios_only_on_speculative_specd_rows_and_per_cell():
+    rows = [
+        row("target-only", 10.0),
+        row("vllm", 20.0),
+        row("transformers", 5.0),
+        row("specd-chain", 25.0, speculative=True),
+        row("specd-chain", 9.0, speculative=True, batch=8),     # a cell without baselines
+        row("target-only", 30.0, batch=8),
+    ]
+    add_ratios(rows)
+    chain_b1, chain_b8 = rows[3], rows[4]
+    assert chain_b1["speedup_vs_target_only"] == pytest.approx(2.5)
+    assert chain_b1["speedup_vs_vllm"] == pytest.approx(1.25)
+    assert chain_b8["speedup_vs_target_only"] == pytest.approx(0.3)
+    assert chain_b8["speedup_vs_vllm"] is None                  # vLLM did not run batch 8
+    for r in rows[:3]:
+        assert r["speedup_vs_target_only"] is None and r["speedup_vs_vllm"] is None
+
+
+def test_greedy_agreement_counts_identical_outputs():
+    rows = [row("target-only", 10.0), row("specd-ngram", 12.0, speculative=True),
+            row("specd-ngram", 12.0, speculative=True, temperature=0.7)]
+    key = ("gsm8k", 1, 0.0)
+    outputs = {("target-only", key): [[1, 2], [3, 4]], ("specd-ngram", key): [[1, 2], [3, 5]]}
+    add_ratios(rows, outputs)
+    assert rows[1]["greedy_agreement_vs_target_only"] == pytest.approx(0.5)
+    assert rows[2]["greedy_agreement_vs_target_only"] is None  # sampled rows are not compared
+
+
+def test_sort_groups_cells_then_system_order():
+    rows = [row("vllm", 1.0, batch=8), row("target-only", 1.0), row("vllm", 1.0),
+            row("target-only", 1.0, batch=8)]
+    out = sort_rows(rows, ["target-only", "vllm"])
+    assert [(r["batch"], r["system"]) for r in out] == [(1, "target-only"), (1, "vllm"), (8, "target-only"),
+                                                        (8, "vllm")]
+
+
+def test_table_cells_show_dashes_for_missing_values():
+    rows = add_ratios([row("target-only", 10.0), row("specd-chain", 15.0, speculative=True)])
+    base, spec = table_cells(rows[0]), table_cells(rows[1])
+    assert base[0] == "target-only" and base[-1] == "-" and base[6] == "-"
+    assert spec[-2] == "1.50x"
+    assert render_table(rows).row_count == 2
+
+
+def test_json_and_plot_files(tmp_path):
+    rows = add_ratios([row("target-only", 10.0), row("specd-chain", 15.0, speculative=True),
+                       row("target-only", 30.0, batch=8)])
+    path = write_json(tmp_path / "out" / "bench.json", rows, {"quick": True})
+    data = json.loads(path.read_text())
+    assert data["meta"] == {"quick": True}
+    assert [r["system"] for r in data["rows"]] == ["target-only", "specd-chain", "target-only"]
+    png = write_plot(tmp_path / "bench.png", rows, ["target-only", "specd-chain"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,43 @@
+"""The pure figures of `specd bench serve` (the load run itself is exercised by hand and in e2e)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.bench_serve import derived_figures, percentiles, summarize, worker_delta
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    assert percentiles([3.0, 1.0, 2.0, 4.0]) == {"p50": 2.0, "p90": 4.0, "p99": 4.0}
+    assert percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0}
+    assert percentiles([]) == {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    assert percentiles([float(i) for i in range(1, 101)], (1, 50, 100)) == {"p1": 1.0, "p50": 50.0,
+                                                                               "p100": 100.0}
+
+
+def test_summarize_counts_tokens_latencies_and_acceptance() -> None:
+    timings = [
+        {"tokens": 11, "ttft_s": 1.0, "total_s": 2.0,
+         "usage": {"drafted": 8, "accepted": 6, "recovered": 1, "bonus": 1, "steps": 2,
+                   "drafter_versions": ["v1"]}},
+        {"tokens": 1, "ttft_s": 0.5, "total_s": 0.5, "usage": None},
+    ]
+    s = summarize(timings, wall_s=4.0)
+    assert s["tokens"] == 12 and s["tokens_per_s"] == 3.0
+    assert s["tpot_s"]["p50"] == pytest.approx(0.1)          # (2.0 - 1.0) / 10, one-token requests skipped
+    assert s["acceptance_rate"] == 0.75 and s["mean_accepted_length"] == 4.0
+    assert s["drafter_versions"] == ["v1"] and s["ttft_s"]["p90"] == 1.0
+
+
+def test_worker_delta_and_derived_figures() -> None:
+    before = {"workers": [{"replica": 0, "target_busy_s": 1.0, "drafter_busy_s": 1.0, "active_s": 2.0}]}
+    after = {"workers": [{"replica": 0, "target_busy_s": 9.0, "drafter_busy_s": 5.0, "active_s": 12.0}]}
+    (w,) = worker_delta(before, after)
+    assert w["target_busy_fraction"] == 0.8 and w["drafter_busy_fraction"] == 0.4
+    assert w["overlap_fraction"] == pytest.approx(0.2)      # 8 + 4 busy seconds in 10 s: 2 s at once
+    results = {"specd": {"tokens_per_s": 12.0, "workers": [w]}, "target-only": {"tokens_per_s": 8.0},
+               "specd-unpipelined": {"tokens_per_s": 10.0}, "in-process": {"tokens_per_s": 11.0}}
+    f = derived_figures(results)
+    assert f["speedup_specd_vs_target_only"] == 1.5 and f["pipeline_gain"] == pytest.approx(0.2)
+    assert f["router_ray_overhead"] == pytest.approx(1 / 11)
+    assert f["pipeline_overlap_fraction"] == w["overlap_fraction"]

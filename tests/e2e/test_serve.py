@@ -1,0 +1,199 @@
+"""End to end: the real server (local Ray, gRPC on a free port, SmolLM2 target and drafter).
+
+Checks concurrent unary and streaming greedy requests against target-only decoding, health, reflection,
+a stream cancelled midway (its slots come back), a deadline, every bad input's status, and /metrics.
+The drafter is the bootstrapped model drafter when it exists in the cache, else the n-gram drafter.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from cluster.client import SpecdClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def drafter_kind(cache_dir: str | None) -> str:
+    from workers.drafters.model import default_drafter_dir
+
+    return "model" if (default_drafter_dir(cache_dir) / "config.json").exists() else "ngram"
+
+
+@pytest.fixture(scope="module")
+def server():
+    ray = pytest.importorskip("ray")
+    from cluster.serve import serve
+    from configs import load_config
+
+    cfg = load_config(["server.port=0", f"server.metrics_port={free_port()}", "target.max_slots=4",
+                       "drafter.max_slots=4", "target.max_seq_len=512", "server.max_queue=8"])
+    cfg.drafter.kind = drafter_kind(cfg.cache_dir)
+    ray.init(num_cpus=4, include_dashboard=False, namespace="specd-e2e", log_to_driver=False)
+    ready, handles, errors = threading.Event(), [], []
+
+    def run():
+        try:
+            serve(cfg, lambda h: (handles.append(h), ready.set()))
+        except BaseException as exc:  # surface bring-up failures in the test, not a silent hang
+            errors.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(900), "server did not come up"
+    assert not errors, errors
+    client = SpecdClient(handles[0].address, timeout=300)
+    yield {"client": client, "handle": handles[0], "cfg": cfg}
+    client.close()
+    handles[0].stop()
+    thread.join(120)
+    ray.shutdown()
+    assert not thread.is_alive(), "server did not shut down"
+
+
+def test_concurrent_unary_and_streaming_greedy_equal_target_only(server) -> None:
+    c = server["client"]
+
+    def unary(prompt):
+        return c.generate(prompt, max_new_tokens=32)
+
+    def streamed(prompt):
+        chunks = list(c.stream(prompt, max_new_tokens=32))
+        return [t for ch in chunks for t in ch.token_ids], "".join(ch.text for ch in chunks), chunks[-1]
+
+    def plain(prompt):
+        return c.generate(prompt, max_new_tokens=32, speculation=False)
+
+    with ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        u = list(pool.map(unary, PROMPTS))
+        s = list(pool.map(streamed, PROMPTS))
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        baseline = list(pool.map(plain, PROMPTS))
+    for out, (ids, text, final), ref in zip(u, s, baseline, strict=True):
+        assert out.token_ids == ref.token_ids, "speculative greedy output differs from target-only"
+        assert ids == ref.token_ids and text == ref.text == out.text
+        assert final.finish_reason in ("length", "eos") and final.usage["completion_tokens"] == len(ids)
+        assert out.usage["steps"] > 0 and out.usage["drafter_versions"]
+        assert ref.usage["drafted"] == 0
+    assert sum(o.usage["drafted"] for o in u) > 0
+
+
+def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
+    c = server["client"]
+    ref = c.generate(PROMPTS[0], max_new_tokens=24, speculation=False).token_ids
+    for kw in (dict(tree_width=2), dict(gamma_policy="egag"), dict(gamma_policy="adaptive", gamma=8),
+               dict(gamma=0), dict(top_k=40, top_p=0.9)):    # top-k/top-p leave greedy unchanged
+        assert c.generate(PROMPTS[0], max_new_tokens=24, **kw).token_ids == ref, kw
+    sampled = [c.generate(PROMPTS[0], max_new_tokens=12, temperature=0.8, seed=7).token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1]          # a seeded request is reproducible
+
+
+def test_greedy_output_matches_transformers(server) -> None:
+    """Target-only through the server is compared above; this anchors it to an independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cluster.validation import HFCodec
+    from workers.models.loader import load_tokenizer
+
+    model_dir = server["handle"].info["model_dir"]
+    ids = HFCodec(load_tokenizer(model_dir)).render_chat([{"role": "user", "content": PROMPTS[2]}])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    out = server["client"].generate(PROMPTS[2], max_new_tokens=16)
+    eos = server["handle"].info["eos_token_ids"]
+    cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
+    assert out.token_ids == ref[:cut]
+
+
+def test_health_reflection_and_info(server) -> None:
+    c = server["client"]
+    assert c.health() == "SERVING" and c.health("specd.v1.Specd") == "SERVING"
+    db = ProtoReflectionDescriptorDatabase(c.channel)
+    assert {"specd.v1.Specd", "grpc.health.v1.Health"} <= set(db.get_services())
+    service = descriptor_pool.DescriptorPool(db).FindServiceByName("specd.v1.Specd")
+    assert {m.name for m in service.methods} == {"Generate", "GenerateStream", "ServerInfo"}
+    info = c.server_info()
+    assert info["model"] == "SmolLM2-135M-Instruct" and info["vocab_size"] == 49152
+    assert info["workers"][0]["free_slots"] == 4
+
+
+def wait_for_free_slots(c: SpecdClient, expected: int) -> dict:
+    for _ in range(600):
+        info = c.server_info()
+        if info["running"] == 0 and info["workers"][0]["free_slots"] == expected:
+            return info
+        threading.Event().wait(0.1)
+    raise AssertionError(f"slots not freed: {info}")
+
+
+def test_cancelled_stream_and_deadline_free_their_slots(server) -> None:
+    c = server["client"]
+    stream = c.stream(PROMPTS[1], max_new_tokens=300, ignore_eos=True)
+    assert next(stream).token_ids
+    assert next(stream).token_ids
+    stream.close()                        # cancels the RPC midway
+    wait_for_free_slots(c, 4)
+    with pytest.raises(grpc.RpcError) as err:
+        c.generate(PROMPTS[0], max_new_tokens=300, ignore_eos=True, timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for_free_slots(c, 4)
+
+
+BAD = [
+    (dict(text=""), "empty prompt"),
+    (dict(messages=[]), "empty prompt"),
+    (dict(token_ids=[]), "empty prompt"),
+    (dict(token_ids=list(range(1, 600))), "prompt has 599 tokens"),
+    (dict(prompt="hi", max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(prompt="hi", max_new_tokens=100000), "max_new_tokens must be <= 1024"),
+    (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0"),
+    (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_p=1.01), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_k=-2), "top_k must be >= 0"),
+    (dict(prompt="hi", gamma=9), "gamma must be in [0, 8]"),
+    (dict(prompt="hi", gamma=-1), "gamma must be in [0, 8]"),
+    (dict(token_ids=[1, 49152]), "token_ids[1]=49152 is not a token id"),
+    (dict(token_ids=[-1]), "token_ids[0]=-1 is not a token id"),
+]
+
+
+def test_every_bad_input_gets_invalid_argument(server) -> None:
+    c = server["client"]
+    for kwargs, message in BAD:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(**kwargs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+        assert message in err.value.details(), (kwargs, err.value.details())
+    assert c.generate("hi", max_new_tokens=2).finish_reason in ("length", "eos")   # still serving
+
+
+def test_metrics_endpoint(server) -> None:
+    port = server["handle"].metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for name in ("specd_generated_tokens_total", "specd_time_to_first_token_seconds_bucket",
+                 "specd_drafted_tokens_total", "specd_position_drafted_total", "specd_queue_depth"):
+        assert name in text, name

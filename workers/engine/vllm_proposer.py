@@ -1,0 +1,240 @@
+"""specd's drafters inside a vLLM engine: the proposer class of vLLM's speculative method "custom_class".
+
+Why this route. vLLM keeps the target's scheduler, paged KV cache, kernels and rejection sampler; the one
+place it takes draft tokens from outside is speculative_config={"method": "custom_class", "model":
+"workers.engine.vllm_proposer.SpecdProposer"}. After every engine step its model runner calls
+`propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)` with each batch row's token history and
+takes back one list of draft ids per row, which the next step verifies. The alternatives are worse: a
+"draft_model" drafter must be a vLLM model sharing the target's KV-cache layout and cannot learn online or
+use a reduced head, and driving vLLM one step at a time from outside (our own draft loop around
+LLMEngine.step) would add a round trip per token and still give no way to hand in drafts.
+
+What vLLM gives us and what it does not (0.32, vllm/v1/worker/gpu_model_runner.py):
+- Rows carry no request id and move between rows as requests come and go. We therefore key each tracked
+  request by a hash of its committed token prefix: the row whose history *before* this step's sampled
+  tokens hashes to a tracked prefix is that request, so the drafter only takes in the new tokens (the
+  accepted drafts plus the recovered or bonus token) and rolls back past its rejected drafts, exactly as on
+  the torch backend. A row that matches nothing (a new request, or one whose state was evicted) starts a
+  fresh drafter request from its whole history. Rows with equal histories are interchangeable, so each key
+  holds a list.
+- vLLM tells nobody when a request ends: a tracked request that no row continued for `max_idle_steps`
+  calls is released (preempted requests that come back later are simply rebuilt).
+- Drafts are verified as one-hot (vLLM reads draft probabilities only from its own model drafters), which
+  is lossless at every temperature; so the drafter always drafts greedily, and sampled drafts with q
+  (min(1, p/q) acceptance) and token trees are torch-backend features.
+- No per-request settings reach the proposer: γ policy and budget are the engine's (spec.policy,
+  spec.gamma), and γ never exceeds num_speculative_tokens.
+
+The settings come from a JSON file named by the SPECD_VLLM_PROPOSER_CONFIG environment variable, because
+vLLM builds the class itself (with only its VllmConfig) in its engine process, which inherits the
+environment of the process that created the engine. The same file names a swap file: when its mtime
+changes, the proposer hot-swaps the drafter weights it names (the trainer's publish, through
+VllmEngine.load_drafter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from configs.schema import DrafterConfig, SpecConfig
+from workers.core.sampling import SamplingParams
+from workers.engine.draft_worker import DraftWorker
+from workers.engine.types import DraftItem, NewRequest, SpecParams
+
+ENV_SETTINGS = "SPECD_VLLM_PROPOSER_CONFIG"
+PROPOSER_CLASS = f"{__name__}.SpecdProposer"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProposerSettings:
+    """Everything the proposer needs, written by VllmEngine and read in vLLM's engine process."""
+
+    drafter: dict                       # DrafterConfig fields
+    spec: dict                          # SpecConfig fields (policy, gamma, gamma_min, egag_*)
+    target_model_dir: str
+    cache_dir: str | None = None
+    seed: int = 0
+    swap_file: str | None = None        # {"path": drafter dir}; a new mtime means "load these weights"
+    max_idle_steps: int = 16
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> ProposerSettings:
+        return cls(**json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_env(cls) -> ProposerSettings:
+        path = os.environ.get(ENV_SETTINGS)
+        if not path:
+            raise RuntimeError(
+                f"{PROPOSER_CLASS} needs ${ENV_SETTINGS} (a JSON file of ProposerSettings); "
+                "build the engine with workers.engine.vllm_engine.VllmEngine"
+            )
+        return cls.read(path)
+
+
+def prefix_key(tokens: np.ndarray) -> bytes:
+    """A collision-safe key of a token prefix (int32 bytes, like vLLM's token_ids_cpu rows)."""
+    data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class _Tracked:
+    """One specd request of the DraftWorker, standing for whichever vLLM row continues its prefix."""
+
+    request_id: str
+    key: bytes                          # prefix_key of the committed context the drafter holds
+    drafted: list[int] = field(default_factory=list)   # drafts of the open step
+    idle: int = 0                       # propose calls since a row last continued it
+
+
+class SpecdProposer:
+    """vLLM custom_class proposer backed by a specd DraftWorker (any registered drafter, any γ policy)."""
+
+    def __init__(self, vllm_config, settings: ProposerSettings | None = None):
+        self.settings = settings or ProposerSettings.from_env()
+        spec_cfg = SpecConfig(**self.settings.spec)
+        self.worker = DraftWorker(
+            DrafterConfig(**self.settings.drafter),
+            spec_cfg,
+            self.settings.target_model_dir,
+            seed=self.settings.seed,
+            cache_dir=self.settings.cache_dir,
+        )
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
+        # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.
+        self.spec = SpecParams(gamma=self.gamma, policy=spec_cfg.policy, tree_width=1, enabled=True)
+        self.tracked: dict[bytes, list[_Tracked]] = {}
+        self._next_id = 0
+        self._swap_mtime = self._swap_stat()
+        self.calls = 0
+
+    # ---- vLLM's interface -----------------------------------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM's CPU runner hands every drafter the target model; ours has its own weights already."""
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings=None,
+    ) -> list[list[int]]:
+        """Draft ids per batch row; row i's history is token_ids_cpu[i, :num_tokens_no_spec[i]] (its newest
+        tokens, sampled_token_ids[i], included). Rows without sampled tokens are mid-prefill: no drafts."""
+        self.calls += 1
+        self._maybe_swap()
+        rows: list[tuple[int, _Tracked, np.ndarray]] = []
+        items: list[DraftItem] = []
+        starts: list[tuple[NewRequest, list[int]]] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                continue
+            n = int(num_tokens_no_spec[i])
+            history = token_ids_cpu[i, :n]
+            # A step emits accepted + 1 tokens and the row may not grow past max_model_len.
+            gamma = max(0, min(self.gamma, self.max_model_len - n - 1))
+            seq = self._take(prefix_key(history[: n - len(sampled)]))
+            if seq is None:
+                seq = _Tracked(self._new_id(), b"")
+                request = NewRequest(
+                    seq.request_id, history[:-1].tolist(), SamplingParams(), self.max_model_len, self.spec
+                )
+                starts.append((request, [int(history[-1])]))
+                items.append(DraftItem(seq.request_id, gamma))
+            else:
+                # Accepted = the drafts vLLM kept, read off the tokens rather than trusted from the count:
+                # vLLM may have trimmed the drafts, and whatever it did, the drafter continues from them.
+                accepted = common_prefix(seq.drafted, list(sampled[:-1]))
+                items.append(DraftItem(seq.request_id, gamma, accepted, [int(t) for t in sampled]))
+            seq.idle = 0
+            rows.append((i, seq, history))
+        self._evict(needed=len(starts))
+        if starts:
+            self.worker.start([r for r, _ in starts], [f for _, f in starts])
+        drafts = self.worker.propose(items) if items else []
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        for (i, seq, history), draft in zip(rows, drafts, strict=True):
+            seq.drafted = list(draft.tokens)
+            seq.key = prefix_key(history)
+            self.tracked.setdefault(seq.key, []).append(seq)
+            out[i] = list(draft.tokens)
+        return out
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _take(self, key: bytes) -> _Tracked | None:
+        bucket = self.tracked.get(key)
+        if not bucket:
+            return None
+        seq = bucket.pop()
+        if not bucket:
+            del self.tracked[key]
+        return seq
+
+    def _new_id(self) -> str:
+        self._next_id += 1
+        return f"vllm-row-{self._next_id}"
+
+    def _evict(self, needed: int) -> None:
+        """Age the requests no row continued this call; release the stale ones and, when the drafter is
+        short of slots for `needed` new requests, the longest idle ones first."""
+        idle = [seq for bucket in self.tracked.values() for seq in bucket]
+        for seq in idle:
+            seq.idle += 1
+        free = self.worker.max_slots() - len(self.worker.requests)
+        idle.sort(key=lambda s: -s.idle)
+        drop = [s for s in idle if s.idle > self.settings.max_idle_steps]
+        for seq in idle[len(drop):]:
+            if free + len(drop) >= needed:
+                break
+            drop.append(seq)
+        for seq in drop:
+            bucket = self.tracked[seq.key]
+            bucket.remove(seq)
+            if not bucket:
+                del self.tracked[seq.key]
+        if drop:
+            self.worker.release([s.request_id for s in drop])
+
+    def _swap_stat(self) -> float | None:
+        swap = self.settings.swap_file
+        try:
+            return os.stat(swap).st_mtime if swap else None
+        except FileNotFoundError:
+            return None
+
+    def _maybe_swap(self) -> None:
+        mtime = self._swap_stat()
+        if mtime is None or mtime == self._swap_mtime:
+            return
+        self._swap_mtime = mtime
+        path = json.loads(Path(self.settings.swap_file).read_text())["path"]
+        if not hasattr(self.worker.drafter, "load"):
+            log.warning("drafter %s has no weights to swap; ignoring %s", self.worker.drafter.name, path)
+            return
+        version = self.worker.load_drafter(path)
+        log.info("specd proposer: drafter hot-swapped to %s (%s)", version, path)
