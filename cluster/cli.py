@@ -9,7 +9,10 @@ import sys
 # Modules that own a sub-command expose `add_cli(subparsers)`; they are imported lazily by name so
 # `specd --help` stays fast and one broken optional part (say, vLLM) does not take the CLI down.
 _COMMAND_MODULES = (
+    "cluster.serve",
     "cluster.demo",
+    "cluster.bench_engine",
+    "cluster.bench_serve",
 )
 
 

@@ -71,9 +71,9 @@ async def _serve(cfg: SpecdConfig, ready_callback) -> int:
 
     install_signals()
     res = _Resources()
+    stopper = asyncio.create_task(stop.wait())
     try:
         bring_up = asyncio.create_task(_bring_up(cfg, res, loop, stop, ready_callback, install_signals))
-        stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({bring_up, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not bring_up.done():          # a signal during loading: stop loading
             bring_up.cancel()
@@ -82,6 +82,7 @@ async def _serve(cfg: SpecdConfig, ready_callback) -> int:
         await stopper
         return 0
     finally:
+        stopper.cancel()
         await _shut_down(res)
         if in_main:
             for sig in (signal.SIGINT, signal.SIGTERM):
