@@ -187,38 +187,52 @@ def _load_sequences(path: Path) -> list[TeacherSequence]:
     ]
 
 
-def _teacher_cache_path(target_dir: Path, what: dict[str, Any]) -> Path:
+def _chunk_cache_path(target_dir: Path, what: dict[str, Any]) -> Path:
     weights = target_dir / "model.safetensors"
     key = {"target": target_dir.name, "weights_bytes": weights.stat().st_size, **what}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "bootstrap_data" / f"teacher-{digest}.safetensors"
 
 
-def cached_teacher(
+def run_teacher_cached(
     cfg: BootstrapConfig,
     target_dir: Path,
     name: str,
     prompts: Sequence[list[int]],
     temperature: float,
-    make: Callable[[], list[TeacherSequence]],
-) -> tuple[list[TeacherSequence], bool]:
-    """Sequences from the cache when an identical request was generated before, else `make()`."""
-    what = {
-        "name": name,
-        "prompts": hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest(),
-        "temperature": temperature,
-        "max_new_tokens": cfg.max_new_tokens,
-        "top_k": cfg.top_k_logprobs,
-        "batch": cfg.gen_batch_size,
-        "seed": cfg.seed,
-    }
-    path = _teacher_cache_path(target_dir, what)
-    if cfg.reuse_teacher_data and path.is_file():
-        return _load_sequences(path), True
-    sequences = make()
-    if sequences:
-        _save_sequences(path, sequences)
-    return sequences, False
+    teacher: Teacher,
+) -> tuple[list[TeacherSequence], int]:
+    """Teacher sequences for `prompts`, generated in chunks of gen_batch_size, each cached on disk.
+
+    Chunks follow the prompt order, so a larger run reuses every chunk of a smaller one, and an
+    interrupted run resumes where it stopped. Returns (sequences in prompt order, cached chunk count).
+    """
+    sequences: list[TeacherSequence] = []
+    cached, generated, t0 = 0, 0, time.perf_counter()
+    bar = tqdm(total=len(prompts), desc=f"teacher {name}", unit="prompt", disable=not cfg.progress)
+    for c, start in enumerate(range(0, len(prompts), cfg.gen_batch_size)):
+        chunk = list(prompts[start : start + cfg.gen_batch_size])
+        seed = cfg.seed + c
+        what = {
+            "prompts": hashlib.sha256(json.dumps(chunk).encode()).hexdigest(),
+            "temperature": temperature,
+            "max_new_tokens": cfg.max_new_tokens,
+            "top_k": cfg.top_k_logprobs,
+            "seed": seed,
+        }
+        path = _chunk_cache_path(target_dir, what)
+        if cfg.reuse_teacher_data and path.is_file():
+            sequences += _load_sequences(path)
+            cached += 1
+        else:
+            fresh = teacher(chunk, temperature, seed)
+            _save_sequences(path, fresh)
+            sequences += fresh
+            generated += sum(s.n_labels for s in fresh)
+        bar.update(len(chunk))
+        bar.set_postfix(new_tok_s=f"{generated / (time.perf_counter() - t0):.1f}", cached=cached)
+    bar.close()
+    return sequences, cached
 
 
 # ------------------------------------------------------------------------------------- drafter init
@@ -337,28 +351,17 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
             cfg.gen_batch_size,
             eos_ids,
             pad_id,
-            desc=f"teacher T={temperature}",
-            progress=cfg.progress,
+            progress=False,  # run_teacher_cached shows progress per chunk
         )
 
     run_teacher = teacher or default_teacher
     sequences: dict[str, list[TeacherSequence]] = {}
-    cache_hits = []
+    cached_chunks: dict[str, int] = {}
     for name, prompts, temperature in groups:
-        if not prompts:
-            sequences[name] = []
-            continue
-        sequences[name], hit = cached_teacher(
-            cfg,
-            target_dir,
-            name,
-            prompts,
-            temperature,
-            lambda p=prompts, T=temperature: run_teacher(p, T, cfg.seed),
+        sequences[name], cached_chunks[name] = run_teacher_cached(
+            cfg, target_dir, name, prompts, temperature, run_teacher
         )
-        if hit:
-            cache_hits.append(name)
-        lap(f"teacher {name}" + (" (cached)" if hit else ""))
+        lap(f"teacher {name}")
     target = None  # free the 538 MB target before training
     train_seqs = sequences["train-greedy"] + sequences["train-sampled"]
     eval_seqs = sequences["eval-greedy"]
@@ -407,7 +410,7 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
                 "temperature_sampled": cfg.temperature,
                 "sample_fraction": cfg.sample_fraction,
                 "top_k_logprobs": cfg.top_k_logprobs,
-                "cached": cache_hits,
+                "cached_chunks": cached_chunks,
             },
             "num_layers": cfg.num_layers,
             "head_vocab": int(draft_vocab_ids.numel()),

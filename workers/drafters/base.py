@@ -48,9 +48,9 @@ class DraftTree:
     Numbering follows workers.core.tree.TokenTree, whose node 0 is the root (the last committed token) and
     whose node n + 1 is draft n: parents[i][n] is the tree index of draft n's parent (0 = the root, k = draft
     k - 1), so TokenTree(tokens=[root, *tokens[i]], parents=[-1, *parents[i]]) is request i's tree. A chain
-    has parents [0, 1, 2, ...]. probs[i, n] is q_child, the distribution draft n was drafted from: the parent's q
-    for i.i.d. children, renormalised over the unused tokens for children drawn without replacement,
-    one-hot for deterministic ones (see workers/core/verify_tree.py); the root has no row.
+    has parents [0, 1, 2, ...]. probs[i, n] is q_child, the distribution draft n was drafted from: the
+    parent's q for i.i.d. children, renormalised over the unused tokens for children drawn without
+    replacement, one-hot for deterministic ones (see workers/core/verify_tree.py); the root has no row.
     """
 
     tokens: list[list[int]]

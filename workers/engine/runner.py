@@ -27,15 +27,21 @@ class ModelRunner:
         num_threads: int | None = None,
         prefill_chunk: int = 512,
         full_vocab: bool = True,
+        pack_weights: bool = True,
     ):
         """prefill_chunk: prompt tokens per forward in `prefill` (bounds activation memory).
         full_vocab: for a reduced-vocabulary drafter, False returns [.., V_sub] logits in the
         order of `vocab_ids` (cheaper) instead of scattering them into the full vocabulary.
+        pack_weights: oneDNN pre-packed matmul weights on CPU (measured 1.3-2x faster forwards here,
+        at the price of a second copy of the matmul weights in memory).
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)
-        self.model = Llama.from_pretrained(model_dir, device=self.device, dtype=dtype, max_seq_len=max_seq_len)
+        # Inductor cannot trace oneDNN's opaque packed weights: compile works on the plain ones.
+        self.model = Llama.from_pretrained(
+            model_dir, device=self.device, dtype=dtype, max_seq_len=max_seq_len, pack=pack_weights and not compile
+        )
         self.cache: KVCache = self.model.make_cache(max_slots, max_seq_len)
         self.prefill_chunk = prefill_chunk
         self.full_vocab = full_vocab or self.model.draft_vocab_ids is None

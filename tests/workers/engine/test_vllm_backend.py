@@ -16,7 +16,7 @@ from configs import load_config
 from workers.core.sampling import SamplingParams
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NGramDrafter
-from workers.engine.vllm_engine import align_steps, proposer_settings, topk_lists, vllm_available
+from workers.engine.vllm_engine import align_steps, proposer_settings, topk_lists, vllm_missing
 from workers.engine.vllm_proposer import SpecdProposer, common_prefix
 
 MAX_LEN = 256
@@ -199,7 +199,7 @@ def test_topk_lists_sorts_and_cuts():
 
 # ---- the real engine (slow: vLLM starts in ~40 s, one engine at a time) ---------------------------------
 
-VLLM_MISSING = vllm_available()
+VLLM_MISSING = vllm_missing()
 GSM8K = Path(__file__).resolve().parents[3] / "data" / "gsm8k_test.jsonl"
 
 
@@ -238,7 +238,7 @@ def run_vllm(cfg, mode: str, prompts: list[list[int]], n: int, sampled: int = 0)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(VLLM_MISSING is not None, reason=f"needs the vllm extra: {VLLM_MISSING}")
+@pytest.mark.skipif(VLLM_MISSING is not None, reason=f"needs the vllm extra ({VLLM_MISSING})")
 def test_vllm_backend_greedy_equals_vllm_greedy_on_gsm8k(monkeypatch):
     from workers.drafters.model import default_drafter_dir
 

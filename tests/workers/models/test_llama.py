@@ -24,9 +24,10 @@ def hf_tiny(tiny_llama_dir):
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return Llama.from_pretrained(tiny_llama_dir)
+@pytest.fixture(scope="module", params=[False, True], ids=["dense", "packed"])
+def tiny(tiny_llama_dir, request):
+    """The tiny model with plain F.linear weights and with oneDNN pre-packed ones."""
+    return Llama.from_pretrained(tiny_llama_dir, pack=request.param)
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -90,12 +91,18 @@ def test_batched_prefill_with_different_lengths_then_decode(tiny, hf_tiny):
 def test_non_consecutive_slots_in_a_batch(tiny, hf_tiny):
     cache = _fresh(tiny)
     slots = [cache.allocate() for _ in range(4)]
-    _extend(tiny, cache, slots[0], [1, 2, 3])
-    _extend(tiny, cache, slots[3], [9, 8])
+    history = {slots[0]: [1, 2, 3], slots[1]: [5], slots[3]: [9, 8, 7, 6]}
+    for slot, ids in history.items():
+        _extend(tiny, cache, slot, ids)
+    # Rows [3], [0, 1]: two runs of consecutive slots, the second with unequal lengths.
+    order = [slots[3], slots[0], slots[1]]
+    new = torch.tensor([[40, 41], [42, 43], [44, 45]])
+    pos = torch.tensor([[len(history[s]) + j for j in range(2)] for s in order])
     with torch.inference_mode():
-        out = tiny(torch.tensor([[4], [7]]), torch.tensor([[2], [3]]), [slots[3], slots[0]], cache)
-    torch.testing.assert_close(out[0, 0], _hf_logits(hf_tiny, [9, 8, 4])[-1], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out[1, 0], _hf_logits(hf_tiny, [1, 2, 3, 7])[-1], atol=ATOL, rtol=0)
+        out = tiny(new, pos, order, cache)  # [3, 2, vocab]
+    for row, slot in enumerate(order):
+        ref = _hf_logits(hf_tiny, history[slot] + new[row].tolist())[-2:]
+        torch.testing.assert_close(out[row], ref, atol=ATOL, rtol=0)
 
 
 def test_rollback_then_new_tokens_equals_a_fresh_forward(tiny, hf_tiny):
@@ -235,3 +242,17 @@ def test_real_smollm2_matches_transformers(target_model_dir):
             gen = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=2)
         assert tokens == gen[0, len(prompt) :].tolist()
         cache.free(slot)
+
+
+def test_bfloat16_runs_close_to_float32(tiny_llama_dir):
+    ids = [4, 8, 15, 16, 23, 42]
+    ref_model = Llama.from_pretrained(tiny_llama_dir)
+    ref_cache = _fresh(ref_model)
+    ref = _extend(ref_model, ref_cache, ref_cache.allocate(), ids)
+    for pack in (False, True):
+        model = Llama.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16, pack=pack)
+        cache = _fresh(model)
+        assert cache.k.dtype == torch.bfloat16
+        out = _extend(model, cache, cache.allocate(), ids)
+        assert out.dtype == torch.bfloat16
+        assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
