@@ -13,6 +13,7 @@ _COMMAND_MODULES = (
     "cluster.demo",
     "cluster.bench_engine",
     "cluster.bench_serve",
+    "drafter_trainer.cli",
 )
 
 
