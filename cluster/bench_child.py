@@ -119,7 +119,14 @@ def new_cell_result(cell: dict[str, Any]) -> dict[str, Any]:
         "steps": None,
         "emitted": None,
         "outputs": [],              # generated token ids per request (greedy agreement check)
+        # 1-min load average at the cell's start and end: on a shared machine it says how noisy it was.
+        "loadavg": [os.getloadavg()[0]],
     }
+
+
+def finish_cell(result: dict[str, Any]) -> dict[str, Any]:
+    result["loadavg"].append(os.getloadavg()[0])
+    return result
 
 
 def add_request(result: dict[str, Any], output: list[int], latency_s: float, requested: int) -> None:

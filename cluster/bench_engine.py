@@ -97,7 +97,7 @@ def load_workload_prompts(workload: str, num_prompts: int, tokenizer) -> list[tu
 
 
 def kv_cache_bytes(model_dir: Path, max_seq_len: int, max_slots: int) -> int:
-    """Bytes of the float32 KV cache our target engine allocates, handed to vLLM as its KV budget."""
+    """Bytes of a float32 KV cache of `max_slots` sequences of `max_seq_len` positions (our target's)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
@@ -153,7 +153,9 @@ def build_jobs(plan: Plan, overrides: list[str], threads: int, preload: bool = T
         "max_new_tokens": plan.max_new_tokens,
         "max_batch": max_batch,
         "max_seq_len": max_seq_len,
-        "kv_cache_bytes": kv_cache_bytes(model_dir, max_seq_len, max_batch),
+        # vLLM allocates KV in blocks and reserves room for speculative lookahead: twice our budget
+        # plus 256 positions a sequence keeps it from ever preempting (at a few hundred MB at most).
+        "vllm_kv_cache_bytes": 2 * kv_cache_bytes(model_dir, max_seq_len + 256, max_batch),
         "pad_token_id": pad,
         "warmup_prompt": prompts[plan.workloads[0]][0][1],
         "cells": cells,
@@ -261,10 +263,18 @@ def collect_rows(results: dict[str, dict], plan: Plan) -> tuple[list[dict], list
                            load_s=result.get("load_s"))
             rows.append(row)
             outputs[(name, (row["workload"], row["batch"], row["temperature"]))] = cell["outputs"]
+            if cell.get("preemptions"):
+                warnings.append(f"{name} {cell['workload']} batch {cell['batch']}: vLLM preempted "
+                                f"{cell['preemptions']} times (KV budget too small; its timing suffers)")
             if cell["generated_tokens"] != cell["requested_tokens"]:
                 warnings.append(f"{name} {cell['workload']} batch {cell['batch']} T={cell['temperature']:g}: "
                                 f"generated {cell['generated_tokens']} of {cell['requested_tokens']} tokens")
     add_ratios(rows, outputs)
+    loads = [r["loadavg_1m_max"] for r in rows if r["loadavg_1m_max"] is not None]
+    cpus = os.cpu_count() or 1
+    if loads and max(loads) > cpus:
+        warnings.append(f"the machine was busy (1-min load average up to {max(loads):.1f} on {cpus} CPUs): "
+                        "timings are unreliable, and ratios compare systems measured minutes apart")
     return sort_rows(rows, list(SYSTEMS)), warnings
 
 

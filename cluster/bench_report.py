@@ -50,6 +50,7 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "mean_accepted_length": (cell["emitted"] / steps) if steps else None,
         "peak_rss_mb": peak_rss_mb,
         "load_s": load_s,
+        "loadavg_1m_max": max(cell["loadavg"]) if cell.get("loadavg") else None,
         "speculative_specd": speculative_specd,
         "speedup_vs_target_only": None,
         "speedup_vs_vllm": None,

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench_child import Events, add_request, child_main, groups, new_cell_result
+from cluster.bench_child import Events, add_request, child_main, finish_cell, groups, new_cell_result
 
 WARMUP_TOKENS = 8
 
@@ -151,7 +151,7 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
         if not system.spec_enabled:
             result.update(drafted=None, accepted=None, steps=None, emitted=None)
         events.flush()
-        cells.append(result)
+        cells.append(finish_cell(result))
     return {"cells": cells, "load_s": load_s, "drafter_version": drafter_version}
 
 
@@ -198,7 +198,7 @@ def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
             for output in outputs:
                 add_request(result, output, wall, job["max_new_tokens"])
             events.tokens(sum(len(o) for o in outputs), force=True)
-        cells.append(result)
+        cells.append(finish_cell(result))
     return {"cells": cells, "load_s": load_s}
 
 

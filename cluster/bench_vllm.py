@@ -6,8 +6,9 @@ spawns its engine processes, so building `vllm.LLM` must happen under `if __name
 Settings chosen to compare like with like: the same converted float32 directory, prompts given as token
 ids (the same ids every system gets), `ignore_eos=True` so every request generates max_new_tokens,
 no detokenization (our engine does not detokenize either), `max_num_seqs` = the largest batch, and a KV
-cache as large as the one our target engine allocates (max_slots x max_seq_len), so peak RSS is
-comparable. The speculative system reads acceptance counts from vLLM's spec-decode metrics.
+budget (set by the parent) with room to spare, so vLLM never preempts for lack of KV blocks. Statistics
+are on for both vLLM systems alike: the speculative one reads acceptance counts from vLLM's spec-decode
+counters, and both report preemptions, which would make their timings unfair to vLLM.
 """
 
 from __future__ import annotations
@@ -15,26 +16,27 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cluster.bench_child import Events, add_request, child_main, groups, new_cell_result
+from cluster.bench_child import Events, add_request, child_main, finish_cell, groups, new_cell_result
 from cluster.bench_systems import SYSTEMS, WARMUP_TOKENS
 
 # vLLM's spec-decode counters, cumulative over the engine's life; a cell reads their difference.
-_SPEC_COUNTERS = {
+_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_draft_tokens": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    "vllm:num_preemptions": "preemptions",
 }
 
 
-def spec_counters(llm) -> dict[str, int]:
-    """Current totals of vLLM's spec-decode counters (summed over engines and label sets)."""
+def read_counters(llm) -> dict[str, int]:
+    """Current totals of the counters above (summed over engines and label sets)."""
     from vllm.v1.metrics.reader import Counter
 
-    totals = dict.fromkeys(_SPEC_COUNTERS.values(), 0)
+    totals = dict.fromkeys(_COUNTERS.values(), 0)
     for metric in llm.get_metrics():
         name = metric.name.removesuffix("_total")
-        if isinstance(metric, Counter) and name in _SPEC_COUNTERS:
-            totals[_SPEC_COUNTERS[name]] += int(metric.value)
+        if isinstance(metric, Counter) and name in _COUNTERS:
+            totals[_COUNTERS[name]] += int(metric.value)
     return totals
 
 
@@ -60,11 +62,10 @@ def run_vllm(job: dict[str, Any], events: Events) -> dict[str, Any]:
         enforce_eager=True,
         max_model_len=job["max_seq_len"],
         max_num_seqs=job["max_batch"],
-        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        kv_cache_memory_bytes=job["vllm_kv_cache_bytes"],
         seed=0,
         speculative_config=system.vllm_speculative,
-        # Statistics are needed only to read the spec-decode counters.
-        disable_log_stats=system.vllm_speculative is None,
+        disable_log_stats=False,
     )
     load_s = time.perf_counter() - t0
 
@@ -82,7 +83,7 @@ def run_vllm(job: dict[str, Any], events: Events) -> dict[str, Any]:
     for cell in job["cells"]:
         events.emit("cell", workload=cell["workload"], batch=cell["batch"], temperature=cell["temperature"])
         result = new_cell_result(cell)
-        before = spec_counters(llm) if system.vllm_speculative else None
+        before = read_counters(llm)
         for prompts, seeds in groups(cell["prompts"], cell["seeds"], cell["batch"]):
             inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
             sampling = [params(cell["temperature"], s, job["max_new_tokens"]) for s in seeds]
@@ -95,12 +96,13 @@ def run_vllm(job: dict[str, Any], events: Events) -> dict[str, Any]:
             for out in outs:
                 add_request(result, list(out.outputs[0].token_ids), wall, job["max_new_tokens"])
             events.tokens(sum(len(o.outputs[0].token_ids) for o in outs), force=True)
-        if before is not None:
-            # The engine process pushes its statistics to the frontend shortly after a step.
-            time.sleep(0.2)
-            after = spec_counters(llm)
+        # The engine process pushes its statistics to the frontend with its outputs; a moment's grace.
+        time.sleep(0.2)
+        after = read_counters(llm)
+        result["preemptions"] = after["preemptions"] - before["preemptions"]
+        if system.vllm_speculative:
             result.update(speculation_counts(before, after, result["generated_tokens"], len(cell["prompts"])))
-        cells.append(result)
+        cells.append(finish_cell(result))
     return {"cells": cells, "load_s": load_s}
 
 

@@ -124,9 +124,8 @@ class Attention(nn.Module):
         for first, end, kv_len in plan.runs:
             keys, values = cache.read(layer, plan.slots[first:end], kv_len)  # [rows, kv_heads, L, d]
             run_mask = None if mask is None else mask[first:end, :, :, :kv_len]
-            outs.append(
-                F.scaled_dot_product_attention(q[first:end], keys, values, attn_mask=run_mask, enable_gqa=True)
-            )
+            run_q = q[first:end]  # [rows, heads, n, d]
+            outs.append(F.scaled_dot_product_attention(run_q, keys, values, run_mask, enable_gqa=True))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [b, heads, n, d]
         return self.wo(out.transpose(1, 2).reshape(b, n, self.q_size))
 

@@ -39,9 +39,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(
-            Block(cfg) for _ in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(draft_vocab_size or cfg.vocab_size, cfg.hidden_size)
         self.tied = draft_vocab_size is None and cfg.tie_word_embeddings
@@ -63,6 +61,8 @@ class Llama(nn.Module):
         return self.lm_head.weight.shape[0]
 
     def make_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+        if max_seq_len > self.rope.shape[0]:
+            raise ValueError(f"max_seq_len {max_seq_len} > the {self.rope.shape[0]} RoPE positions built")
         cfg, w = self.cfg, self.embed_tokens
         shape = (cfg.num_layers, num_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
         return KVCache(*shape, w.dtype, w.device)

@@ -55,7 +55,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
     # The GGUF load marks the model as quantized, which makes save_pretrained refuse; the weights
     # are already plain float32 tensors, so dropping the marker is safe.
     model.hf_quantizer = None
@@ -63,7 +65,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     # builds a GGUF quantizer for what are plain float32 safetensors.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -115,4 +117,4 @@ def load_tokenizer(model_dir: str | Path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
