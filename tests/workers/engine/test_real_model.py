@@ -7,6 +7,8 @@ a one-token forward, and float32 rounding can flip an exact tie); such ties are 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -59,17 +61,27 @@ def _check_identical_or_ties(target, prompts, base, spec) -> int:
     return ties
 
 
+def _requests(prompts, spec):
+    return [NewRequest(f"p{i}", p, SamplingParams(), NEW_TOKENS, spec) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def base(target, prompts):
+    """Target-only greedy decoding on the same engine, computed once for both drafters."""
+    seqs = SpecEngine(target, max_running=10).generate(
+        _requests(prompts, SpecParams(enabled=False)), ignore_eos=True
+    )
+    return [s.output for s in seqs]
+
+
+# 20 prompts x 128 tokens, twice: minutes on an idle 2-core machine, far more on a loaded one.
+@pytest.mark.timeout(3000)
 @pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
-def test_greedy_identical_on_real_prompts(target, prompts, boot_drafter_dir, drafter_kind):
+def test_greedy_identical_on_real_prompts(target, prompts, base, boot_drafter_dir, drafter_kind):
     cfg = load_config([f"drafter.path={boot_drafter_dir}", f"drafter.kind={drafter_kind}",
                        "drafter.max_slots=10"])
     drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
-
-    def reqs(spec):
-        return [NewRequest(f"p{i}", p, SamplingParams(), NEW_TOKENS, spec) for i, p in enumerate(prompts)]
-
-    base = [s.output for s in SpecEngine(target, max_running=10).generate(
-        reqs(SpecParams(enabled=False)), ignore_eos=True)]
+    reqs = functools.partial(_requests, prompts)
     seqs = SpecEngine(target, drafter, max_running=10).generate(reqs(SpecParams(gamma=4)), ignore_eos=True)
     spec = [s.output for s in seqs]
     assert all(len(x) == NEW_TOKENS for x in spec)
