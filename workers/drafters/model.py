@@ -226,7 +226,9 @@ class ModelDrafter(Drafter):
                 width = widths[i] if level == 0 else 1
                 new_frontier = []
                 for k, node in enumerate(nodes):
-                    for tok, qc in self._children(q[k], width, params[i], seqs[i].generator):
+                    # greedy q is one-hot: rank the greedy candidates by the raw logits instead
+                    ranked = logits[j, node] if params[i].is_greedy else q[k]
+                    for tok, qc in self._children(ranked, width, params[i], seqs[i].generator):
                         trees[i][0].append(tok)
                         trees[i][1].append(node)
                         q_child[i].append(qc)
@@ -235,11 +237,12 @@ class ModelDrafter(Drafter):
         return self._tree_result(seqs, trees, q_child, params)
 
     def _children(self, q: torch.Tensor, width: int, p, gen) -> list[tuple[int, torch.Tensor | None]]:
-        """`width` children of a node whose drafter distribution is q [V']: (target id, q_child or None)."""
-        width = min(width, int((q > 0).sum()))
+        """`width` children of a node: (target id, q_child or None). q [V'] is the drafter's distribution,
+        or its logits for a greedy request (top-w candidates, deterministic, one-hot q_child)."""
         if p.is_greedy:
-            top = torch.topk(q, width).indices
+            top = torch.topk(q, min(width, q.shape[-1])).indices
             return [(tok, None) for tok in self._to_target_ids(top)]
+        width = min(width, int((q > 0).sum()))
         out, remaining = [], q.clone()
         for _ in range(width):
             qc = remaining / remaining.sum()
