@@ -13,41 +13,37 @@ Phases:
                  choose the reduced head.
   3. distill     AdamW on the top-k forward KL; greedy match on the eval sequences before and after.
 
-Measured here (2 cores, quiet machine): the full preset takes about 10 minutes (teacher 7.7 min at
-~59 generated tokens/s, distill 2.5 min) and lifts the held-out greedy match from 7% to 40%.
   4. publish     an atomically written drafter directory (drafter_format.py).
+
+The teacher (drafter_trainer/teacher.py) runs on specd's own engine by default; `--teacher
+transformers` selects the reference implementation.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from drafter_trainer import data
 from drafter_trainer.distill import DrafterLM, TeacherSequence, evaluate, train_drafter
 from drafter_trainer.drafter_format import make_drafter_config, save_drafter
-
-# A teacher maps prompts (token ids) to generated sequences with labels. The transformers one below is
-# the reference; a faster engine (vLLM with logprobs) can be dropped in behind the same signature.
-Teacher = Callable[[Sequence[list[int]], float, int], list[TeacherSequence]]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECD_CACHE") or Path.home() / ".cache" / "specd")
+from drafter_trainer.teacher import (
+    TEACHERS,
+    Teacher,
+    cache_root,
+    engine_generate_teacher,
+    hf_generate_teacher,
+    run_teacher_cached,
+)
 
 
 @dataclass
@@ -60,7 +56,8 @@ class BootstrapConfig:
     max_new_tokens: int = 160
     sample_fraction: float = 0.25  # share of train prompts continued at `temperature` instead of greedy
     temperature: float = 0.7
-    gen_batch_size: int = 16
+    teacher: str = "engine"  # one of teacher.TEACHERS
+    gen_batch_size: int = 16  # prompts per cached chunk; the engine teacher runs them all at once
     num_layers: int = 2
     head_vocab: int = 4096
     prompt_count_weight: float = 0.25  # prompt tokens count this much toward the head vocabulary
@@ -78,6 +75,10 @@ class BootstrapConfig:
     progress: bool = True
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"unknown teacher {self.teacher!r}; choose from {', '.join(TEACHERS)}")
+
     @classmethod
     def quick(cls, **overrides: Any) -> BootstrapConfig:
         """Small enough for CI on 2 CPU cores (a couple of minutes) and still a valid drafter."""
@@ -86,159 +87,6 @@ class BootstrapConfig:
 
     def resolved_out_dir(self) -> Path:
         return Path(self.out_dir) if self.out_dir else cache_root() / "drafters" / "boot-default"
-
-
-# ---------------------------------------------------------------------------------------------- teacher
-
-
-def _topk_of_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    logprobs = F.log_softmax(logits.float(), dim=-1)  # [b, V]
-    values, ids = logprobs.topk(k, dim=-1)  # sorted: column 0 is the target argmax
-    return values, ids
-
-
-@torch.no_grad()
-def hf_generate_teacher(
-    target: Any,
-    prompts: Sequence[list[int]],
-    temperature: float,
-    max_new_tokens: int,
-    top_k: int,
-    batch_size: int,
-    eos_ids: Sequence[int],
-    pad_id: int,
-    desc: str = "teacher",
-    progress: bool = True,
-) -> list[TeacherSequence]:
-    """Continue each prompt with transformers `generate`, keeping the target's top-k logprobs.
-
-    The labels are the target's UNPROCESSED distribution (output_logits, before temperature), since
-    that is what a drafter must match whatever sampling settings a request uses. Prompts are batched
-    in length order to keep left padding small; results come back in the input order.
-    """
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    results: list[TeacherSequence | None] = [None] * len(prompts)
-    eos = torch.tensor(list(eos_ids))
-    sample = temperature > 0
-    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress, dynamic_ncols=True)
-    generated_total, t0 = 0, time.perf_counter()
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            input_ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            attention_mask[r, width - len(prompts[i]) :] = 1
-        out = target.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=sample,
-            temperature=temperature if sample else None,
-            top_k=0 if sample else None,
-            top_p=1.0 if sample else None,
-            eos_token_id=list(eos_ids),
-            pad_token_id=pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        # One [b, k] pair per generated step, reduced immediately: the raw logits are b x V per step.
-        topk = [_topk_of_logits(step_logits, top_k) for step_logits in out.logits]
-        values = torch.stack([v for v, _ in topk], dim=1)  # [b, G, k]
-        ids = torch.stack([i for _, i in topk], dim=1)  # [b, G, k]
-        new_tokens = out.sequences[:, width:]  # [b, G]
-        for r, i in enumerate(rows):
-            hits = torch.isin(new_tokens[r], eos).nonzero()
-            n_new = (
-                int(hits[0]) + 1 if hits.numel() else new_tokens.shape[1]
-            )  # keep the EOS: it is drafted too
-            results[i] = TeacherSequence(
-                token_ids=torch.cat([torch.tensor(prompts[i]), new_tokens[r, :n_new]]),
-                first_label=len(prompts[i]) - 1,
-                topk_logprobs=values[r, :n_new].clone(),
-                topk_ids=ids[r, :n_new].clone(),
-            )
-            generated_total += n_new
-        bar.update(len(rows))
-        bar.set_postfix(tok_s=f"{generated_total / (time.perf_counter() - t0):.1f}")
-    bar.close()
-    return [s for s in results if s is not None]
-
-
-def _save_sequences(path: Path, sequences: Sequence[TeacherSequence]) -> None:
-    lengths = torch.tensor([s.token_ids.numel() for s in sequences])
-    tensors = {
-        "token_ids": torch.cat([s.token_ids for s in sequences]),
-        "lengths": lengths,
-        "first_label": torch.tensor([s.first_label for s in sequences]),
-        "n_labels": torch.tensor([s.n_labels for s in sequences]),
-        "topk_logprobs": torch.cat([s.topk_logprobs for s in sequences]),
-        "topk_ids": torch.cat([s.topk_ids for s in sequences]),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-
-
-def _load_sequences(path: Path) -> list[TeacherSequence]:
-    t = load_file(str(path))
-    tokens = t["token_ids"].split(t["lengths"].tolist())
-    logprobs = t["topk_logprobs"].split(t["n_labels"].tolist())
-    ids = t["topk_ids"].split(t["n_labels"].tolist())
-    return [
-        TeacherSequence(tok.clone(), int(fl), lp.clone(), i.clone())
-        for tok, fl, lp, i in zip(tokens, t["first_label"].tolist(), logprobs, ids, strict=True)
-    ]
-
-
-def _chunk_cache_path(target_dir: Path, what: dict[str, Any]) -> Path:
-    weights = target_dir / "model.safetensors"
-    key = {"target": target_dir.name, "weights_bytes": weights.stat().st_size, **what}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root() / "bootstrap_data" / f"teacher-{digest}.safetensors"
-
-
-def run_teacher_cached(
-    cfg: BootstrapConfig,
-    target_dir: Path,
-    name: str,
-    prompts: Sequence[list[int]],
-    temperature: float,
-    teacher: Teacher,
-) -> tuple[list[TeacherSequence], int]:
-    """Teacher sequences for `prompts`, generated in chunks of gen_batch_size, each cached on disk.
-
-    Chunks follow the prompt order, so a larger run reuses every chunk of a smaller one, and an
-    interrupted run resumes where it stopped. Returns (sequences in prompt order, cached chunk count).
-    """
-    sequences: list[TeacherSequence] = []
-    cached, generated, t0 = 0, 0, time.perf_counter()
-    bar = tqdm(total=len(prompts), desc=f"teacher {name}", unit="prompt", disable=not cfg.progress)
-    for c, start in enumerate(range(0, len(prompts), cfg.gen_batch_size)):
-        chunk = list(prompts[start : start + cfg.gen_batch_size])
-        seed = cfg.seed + c
-        what = {
-            "prompts": hashlib.sha256(json.dumps(chunk).encode()).hexdigest(),
-            "temperature": temperature,
-            "max_new_tokens": cfg.max_new_tokens,
-            "top_k": cfg.top_k_logprobs,
-            "seed": seed,
-        }
-        path = _chunk_cache_path(target_dir, what)
-        if cfg.reuse_teacher_data and path.is_file():
-            sequences += _load_sequences(path)
-            cached += 1
-        else:
-            fresh = teacher(chunk, temperature, seed)
-            _save_sequences(path, fresh)
-            sequences += fresh
-            generated += sum(s.n_labels for s in fresh)
-        bar.update(len(chunk))
-        bar.set_postfix(new_tok_s=f"{generated / (time.perf_counter() - t0):.1f}", cached=cached)
-    bar.close()
-    return sequences, cached
 
 
 # ------------------------------------------------------------------------------------- drafter init
@@ -319,6 +167,7 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
     """Build the default drafter from the target and write it to cfg's output dir; returns that dir."""
     from transformers import AutoModelForCausalLM
 
+    from workers.engine.runner import ModelRunner
     from workers.models.loader import load_tokenizer
 
     torch.set_num_threads(cfg.threads)
@@ -353,10 +202,19 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
         ("eval-greedy", eval_ids, 0.0),
     ]
 
-    target = None
+    target = None  # loaded on the first chunk that is not cached
 
     def default_teacher(prompts: Sequence[list[int]], temperature: float, seed: int) -> list[TeacherSequence]:
         nonlocal target
+        if cfg.teacher == "engine":
+            if target is None:
+                longest = max(len(p) for p in train_ids + eval_ids) + cfg.max_new_tokens
+                target = ModelRunner(
+                    target_dir, max_slots=cfg.gen_batch_size, num_threads=cfg.threads, max_seq_len=longest
+                )
+            return engine_generate_teacher(
+                target, prompts, temperature, cfg.max_new_tokens, cfg.top_k_logprobs, eos_ids, seed
+            )
         if target is None:
             target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         torch.manual_seed(seed)
@@ -430,6 +288,7 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
                 "splits": {s: data.SPLITS[s] for s in cfg.sources},
             },
             "teacher": {
+                "implementation": cfg.teacher,
                 "generated_tokens": n_generated,
                 "max_new_tokens": cfg.max_new_tokens,
                 "temperature_sampled": cfg.temperature,
@@ -482,6 +341,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-eval-prompts", type=int)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--sample-fraction", type=float)
+    p.add_argument("--teacher", choices=TEACHERS, help="who generates the training text (default: engine)")
     p.add_argument("--gen-batch-size", type=int)
     p.add_argument("--num-layers", type=int)
     p.add_argument("--head-vocab", type=int)
