@@ -107,7 +107,7 @@ def kv_cache_bytes(model_dir: Path, max_seq_len: int, max_slots: int) -> int:
 
 def unavailable_reason(system: System, cfg) -> str | None:
     """Why a system cannot run here (no bootstrapped drafter, no vLLM), or None."""
-    if system.kind == "vllm" and importlib.util.find_spec("vllm") is None:
+    if "vllm" in (system.kind, system.backend) and importlib.util.find_spec("vllm") is None:
         return "vllm is not installed"
     if system.needs_model_drafter:
         from workers.drafters.model import resolve_drafter_dir

@@ -11,6 +11,8 @@ A system is one way of generating the same tokens from the same prompts with the
     specd-ngram      n-gram drafter (drafter.kind=ngram), γ = 4 fixed
     specd-egag       model drafter, entropy-guided γ up to 8
     specd-adaptive   model drafter, acceptance-adaptive γ up to 8
+    vllm-specd-chain target.backend=vllm: vLLM verifies, specd's model drafter proposes (γ = 4 fixed)
+    vllm-specd-ngram target.backend=vllm with specd's n-gram drafter (γ = 4 fixed)
 
 Run as `python -m cluster.bench_systems JOB OUT --events-fd N` (see cluster/bench_child.py), one system
 per process. Every runner warms up once (one short generate), then times only generation.
@@ -37,6 +39,7 @@ class System:
     tree_width: int = 1                         # specd: 1 = chain
     spec_enabled: bool = False                  # specd: False = target-only decoding
     drafter_kind: str | None = None             # specd: "model" | "ngram" | None (no drafter)
+    backend: str = "torch"                      # specd: target.backend, "torch" or "vllm"
     vllm_speculative: dict[str, Any] | None = field(default=None, hash=False)
 
     @property
@@ -72,6 +75,10 @@ SYSTEMS: dict[str, System] = {
                gamma=8, policy="egag", spec_enabled=True, drafter_kind="model"),
         System("specd-adaptive", "specd", "model drafter, adaptive γ≤8",
                gamma=8, policy="adaptive", spec_enabled=True, drafter_kind="model"),
+        System("vllm-specd-chain", "specd", "vLLM target + specd model drafter, γ=4 fixed",
+               spec_enabled=True, drafter_kind="model", backend="vllm"),
+        System("vllm-specd-ngram", "specd", "vLLM target + specd n-gram drafter, γ=4 fixed",
+               spec_enabled=True, drafter_kind="ngram", backend="vllm"),
     )
 }
 
@@ -90,6 +97,9 @@ def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
     ]
     if system.drafter_kind is not None:
         out.append(f"drafter.kind={system.drafter_kind}")
+    if system.backend == "vllm":
+        # vLLM's proposer takes no per-request settings: γ budget and policy are the engine's.
+        out += ["target.backend=vllm", f"spec.gamma={system.gamma}", f"spec.policy={system.policy}"]
     return out
 
 
@@ -105,16 +115,25 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
     cfg = load_config(specd_overrides(system, job))
     t0 = time.perf_counter()
     events.emit("phase", phase="loading")
-    target = TargetWorker(cfg.target, seed=cfg.seed, cache_dir=cfg.cache_dir)
-    drafter = None
-    if system.spec_enabled:
-        drafter = DraftWorker(cfg.drafter, cfg.spec, target.model_dir, seed=cfg.seed, cache_dir=cfg.cache_dir)
-    engine = SpecEngine(target, drafter, max_running=job["max_batch"])
+    if system.backend == "vllm":
+        from workers.engine.vllm_engine import VllmEngine
+
+        engine = VllmEngine(cfg, speculation="specd" if system.spec_enabled else "none",
+                            max_running=job["max_batch"],
+                            llm_kwargs={"kv_cache_memory_bytes": job["vllm_kv_cache_bytes"]})
+        drafter_version = engine.version()
+    else:
+        target = TargetWorker(cfg.target, seed=cfg.seed, cache_dir=cfg.cache_dir)
+        drafter = None
+        if system.spec_enabled:
+            drafter = DraftWorker(cfg.drafter, cfg.spec, target.model_dir, seed=cfg.seed,
+                                  cache_dir=cfg.cache_dir)
+        engine = SpecEngine(target, drafter, max_running=job["max_batch"])
+        drafter_version = drafter.version() if drafter is not None else None
     spec = SpecParams(
         gamma=system.gamma, policy=system.policy, tree_width=system.tree_width, enabled=system.spec_enabled
     )
     load_s = time.perf_counter() - t0
-    drafter_version = drafter.version() if drafter is not None else None
 
     events.emit("phase", phase="warmup")
     warm = NewRequest("warmup", job["warmup_prompt"], SamplingParams(), WARMUP_TOKENS, spec)

@@ -56,6 +56,14 @@ class _Resources:
 
 def serve(cfg: SpecdConfig, ready_callback=None) -> int:
     """Run the server until SIGINT/SIGTERM (main thread) or ServeHandle.stop(); returns an exit code."""
+    if cfg.target.backend != "torch":
+        # The router's scheduler drives draft and verify itself, step by step, over Ray actors; the vllm
+        # backend verifies inside vLLM's own scheduler (workers/engine/vllm_engine.py), which that
+        # pipeline cannot drive. Refuse rather than silently serve with the torch engine.
+        raise ValueError(
+            f"specd serve runs target.backend=torch only (got {cfg.target.backend!r}); the vllm backend "
+            "is available through workers.engine.vllm_engine.VllmEngine and `specd bench engine`"
+        )
     return asyncio.run(_serve(cfg, ready_callback))
 
 

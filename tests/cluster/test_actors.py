@@ -79,3 +79,11 @@ def test_scheduler_over_ray_actor_handles(ray_session) -> None:
     assert all(fin.reason == FINISH_LENGTH for _, fin in outs)
     assert sorted(fin.stats.replica for _, fin in outs) == [0, 0, 1, 1]
     assert [s["steps"] > 0 for s in stats] == [True, True]
+
+
+def test_serve_refuses_a_backend_it_cannot_drive():
+    from cluster.serve import serve
+    from configs import load_config
+
+    with pytest.raises(ValueError, match="target.backend=torch only"):
+        serve(load_config(["target.backend=vllm"]))

@@ -30,7 +30,8 @@ def parse(argv):
 
 def test_full_plan_is_the_issue_matrix():
     plan = resolve_plan(parse([]))
-    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 9
+    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 11
+    assert {"vllm", "vllm-ngram", "vllm-specd-chain", "vllm-specd-ngram"} <= set(plan.systems)
     assert plan.workloads == ["gsm8k", "humaneval"]
     assert (plan.batch_sizes, plan.temperatures) == ([1, 8], [0.0, 0.7])
     assert plan.max_new_tokens == 128 and plan.reductions == []
@@ -69,6 +70,15 @@ def test_specd_overrides_fix_what_the_benchmark_needs():
     assert out[0] == "seed=3" and "drafter.kind=ngram" in out and "target.max_slots=8" in out
     assert "drafter.kind=model" in specd_overrides(SYSTEMS["specd-tree"], job)
     assert not any(o.startswith("drafter.kind") for o in specd_overrides(SYSTEMS["target-only"], job))
+    assert not any(o.startswith("target.backend") for o in specd_overrides(SYSTEMS["specd-chain"], job))
+
+
+def test_vllm_specd_systems_select_the_vllm_backend_with_an_engine_wide_gamma():
+    job = {"model_dir": "/m", "max_batch": 1, "max_seq_len": 512}
+    chain = specd_overrides(SYSTEMS["vllm-specd-chain"], job)
+    assert {"target.backend=vllm", "drafter.kind=model", "spec.gamma=4", "spec.policy=fixed"} <= set(chain)
+    assert "drafter.kind=ngram" in specd_overrides(SYSTEMS["vllm-specd-ngram"], job)
+    assert SYSTEMS["vllm-specd-ngram"].speculative and SYSTEMS["vllm-specd-ngram"].backend == "vllm"
 
 
 def test_kv_cache_bytes_matches_the_target_layout(tmp_path):
