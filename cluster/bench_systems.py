@@ -10,6 +10,7 @@ A system is one way of generating the same tokens from the same prompts with the
     specd-tree       model drafter, token tree of width 3 and depth 4
     specd-ngram      n-gram drafter (drafter.kind=ngram), γ = 4 fixed
     specd-egag       model drafter, entropy-guided γ up to 8
+    specd-confidence model drafter, γ up to 8, drafting on while its top-1 probability >= 0.4
     specd-adaptive   model drafter, acceptance-adaptive γ up to 8
     vllm-specd-chain target.backend=vllm: vLLM verifies, specd's model drafter proposes (γ = 4 fixed)
     vllm-specd-ngram target.backend=vllm with specd's n-gram drafter (γ = 4 fixed)
@@ -73,6 +74,8 @@ SYSTEMS: dict[str, System] = {
                spec_enabled=True, drafter_kind="ngram"),
         System("specd-egag", "specd", "model drafter, EGAG γ≤8",
                gamma=8, policy="egag", spec_enabled=True, drafter_kind="model"),
+        System("specd-confidence", "specd", "model drafter, confidence-gated γ≤8",
+               gamma=8, policy="confidence", spec_enabled=True, drafter_kind="model"),
         System("specd-adaptive", "specd", "model drafter, adaptive γ≤8",
                gamma=8, policy="adaptive", spec_enabled=True, drafter_kind="model"),
         System("vllm-specd-chain", "specd", "vLLM target + specd model drafter, γ=4 fixed",

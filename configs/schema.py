@@ -45,11 +45,12 @@ class SpecConfig:
     gamma: int = 4                      # default draft length when a request does not say
     gamma_min: int = 0                  # operator bounds a request's gamma must fall within
     gamma_max: int = 8
-    policy: str = "fixed"               # fixed | egag | adaptive
+    policy: str = "fixed"               # fixed | egag | confidence | adaptive
     tree_width: int = 1                 # 1 = chain
     tree_width_max: int = 4
     egag_threshold: float = 0.6
     egag_beta: float = 0.5
+    confidence_threshold: float = 0.4   # confidence policy: draft on while the drafter's top-1 p >= this
     lossy: bool = False                 # reserved: no lossy mode exists; must stay False
 
 

@@ -30,7 +30,7 @@ def parse(argv):
 
 def test_full_plan_is_the_issue_matrix():
     plan = resolve_plan(parse([]))
-    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 11
+    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 12
     assert {"vllm", "vllm-ngram", "vllm-specd-chain", "vllm-specd-ngram"} <= set(plan.systems)
     assert plan.workloads == ["gsm8k", "humaneval"]
     assert (plan.batch_sizes, plan.temperatures) == ([1, 8], [0.0, 0.7])

@@ -31,7 +31,10 @@ class _DraftRequest:
 def build_policy(name: str, spec_cfg, gamma: int, tree_width: int) -> GammaPolicy:
     """One policy object per request: its bounds come from the operator config and the request's γ."""
     common = dict(gamma_min=min(spec_cfg.gamma_min, gamma), gamma_max=gamma, tree_width=tree_width)
-    extra = {"fixed": {}, "egag": {"entropy_threshold": spec_cfg.egag_threshold, "beta": spec_cfg.egag_beta}}
+    extra = {
+        "egag": {"entropy_threshold": spec_cfg.egag_threshold, "beta": spec_cfg.egag_beta},
+        "confidence": {"threshold": spec_cfg.confidence_threshold},
+    }
     return build_gamma_policy(name, **common, **extra.get(name, {}))
 
 

@@ -6,6 +6,7 @@ import torch
 from workers.core.gamma import (
     GAMMA_POLICIES,
     AdaptiveGamma,
+    ConfidenceGamma,
     EntropyGamma,
     FixedGamma,
     GammaPolicy,
@@ -22,6 +23,7 @@ def all_policies() -> list[GammaPolicy]:
     return [
         FixedGamma(gamma=4, gamma_min=2),
         EntropyGamma(gamma_min=2, gamma_max=6),
+        ConfidenceGamma(gamma_min=1, gamma_max=8),
         AdaptiveGamma(gamma_min=2, gamma_max=6, tree_width=3),
         AdaptiveGamma(gamma_min=0, gamma_max=5, acceptance_prior=0.05),
     ]
@@ -130,6 +132,23 @@ def test_egag_threshold_follows_acceptance() -> None:
     assert policy.threshold(state) == pytest.approx(0.25)
 
 
+def test_confidence_drafts_while_top1_clears_the_threshold() -> None:
+    policy = ConfidenceGamma(threshold=0.4, gamma_min=1, gamma_max=5)
+    state = policy.new_state()
+    assert policy.plan(state, 100) == 5
+    sure, unsure = torch.tensor([0.05, 0.9, 0.05]), torch.tensor([0.3, 0.35, 0.35])
+    assert policy.keep_drafting(state, 1, sure)
+    assert not policy.keep_drafting(state, 1, unsure)           # top-1 0.35 < 0.4: stop here
+    assert policy.keep_drafting(state, 1, torch.tensor([0.4, 0.3, 0.3]))  # exactly at the threshold
+    assert not policy.keep_drafting(state, 5, sure)             # the plan is the hard limit
+    assert [policy.keep_drafting(state, n, None) for n in range(1, 6)] == [True] * 4 + [False]
+    floor = ConfidenceGamma(threshold=0.4, gamma_min=3, gamma_max=5)
+    floor.plan(floor.new_state(), 100)
+    assert floor.keep_drafting(floor.new_state(), 2, unsure)   # below gamma_min: keep going
+    with pytest.raises(ValueError, match="threshold"):
+        ConfidenceGamma(threshold=1.5)
+
+
 def test_observe_estimates_per_token_acceptance() -> None:
     policy = FixedGamma(gamma=4, acceptance_beta=0.0)
     state = policy.new_state()
@@ -202,7 +221,7 @@ def test_adaptive_tree_widens_when_acceptance_is_middling() -> None:
 
 
 def test_build_gamma_policy() -> None:
-    assert set(GAMMA_POLICIES) == {"fixed", "egag", "adaptive"}
+    assert set(GAMMA_POLICIES) == {"fixed", "egag", "confidence", "adaptive"}
     for name, cls in GAMMA_POLICIES.items():
         policy = build_gamma_policy(name, gamma_max=5)
         assert isinstance(policy, cls) and policy.gamma_max == 5 and policy.name == name
