@@ -119,6 +119,9 @@ def new_cell_result(cell: dict[str, Any]) -> dict[str, Any]:
         "steps": None,
         "emitted": None,
         "outputs": [],              # generated token ids per request (greedy agreement check)
+        # --paired: target-only on the same groups in the same process, interleaved with the system
+        "paired_base_wall_s": None,
+        "paired_base_tokens": None,
         # 1-min load average at the cell's start and end: on a shared machine it says how noisy it was.
         "loadavg": [os.getloadavg()[0]],
     }

@@ -130,7 +130,9 @@ def iomp_library() -> str | None:
     return str(lib) if lib.is_file() else None
 
 
-def build_jobs(plan: Plan, overrides: list[str], threads: int, iomp: bool = True) -> tuple[dict, dict, dict]:
+def build_jobs(
+    plan: Plan, overrides: list[str], threads: int, iomp: bool = True, paired: bool = False
+) -> tuple[dict, dict, dict]:
     """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
     from configs import load_config
     from workers.models.loader import ensure_target_model, load_tokenizer
@@ -169,6 +171,7 @@ def build_jobs(plan: Plan, overrides: list[str], threads: int, iomp: bool = True
         "pad_token_id": pad,
         "ld_preload": iomp_library() if iomp else None,
         "warmup_prompt": prompts[plan.workloads[0]][0][1],
+        "paired": paired,
         "cells": cells,
     }
     jobs, skipped = {}, {}
@@ -288,7 +291,8 @@ NOTES = (
     "requests finish together, so their latency is the group's wall time.",
     "α = accepted / drafted, MAL = (accepted + recovered + bonus) / steps; vLLM's from its spec-decode "
     "counters. RSS = peak of the system's own child process (vLLM: its process tree, sampled).",
-    "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run.",
+    "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run; "
+    "paired (--paired) divides by target-only run in the same process on the same groups, interleaved.",
     "every child uses the same torch thread count (--threads) and OpenMP runtime (Intel, unless --no-iomp).",
 )
 
@@ -302,7 +306,7 @@ def run_bench(args: argparse.Namespace) -> int:
         console = Console(width=170)
     plan = resolve_plan(args)
     started = time.time()
-    jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, iomp=args.iomp)
+    jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, iomp=args.iomp, paired=args.paired)
     if meta["ld_preload"]:
         console.print(f"every system runs with LD_PRELOAD={meta['ld_preload']} (Intel OpenMP; see --no-iomp)")
     for name, reason in skipped.items():
@@ -359,6 +363,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
     parser.add_argument("--iomp", action=argparse.BooleanOptionalAction, default=True,
                         help="LD_PRELOAD Intel OpenMP in every child, as vLLM's CPU backend recommends")
+    parser.add_argument("--paired", action="store_true",
+                        help="every speculative specd system also runs target-only on each group of "
+                             "prompts in its own process, alternating which goes first: a ratio that "
+                             "machine-speed drift between systems cannot bias (doubles their run time)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write one row per cell to PATH")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of tokens/s per system")
     parser.add_argument("--log-dir", default=None,

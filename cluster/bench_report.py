@@ -53,9 +53,18 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "loadavg_1m_max": max(cell["loadavg"]) if cell.get("loadavg") else None,
         "speculative_specd": speculative_specd,
         "speedup_vs_target_only": None,
+        # --paired: over target-only run on the same groups in the same process, interleaved
+        "speedup_vs_target_only_paired": _paired_speedup(cell, generated, wall),
         "speedup_vs_vllm": None,
         "greedy_agreement_vs_target_only": None,
     }
+
+
+def _paired_speedup(cell: dict[str, Any], generated: int, wall: float) -> float | None:
+    base_wall, base_tokens = cell.get("paired_base_wall_s"), cell.get("paired_base_tokens")
+    if not base_wall or not base_tokens or wall <= 0:
+        return None
+    return (generated / wall) / (base_tokens / base_wall)
 
 
 def add_ratios(rows: list[dict[str, Any]], outputs: dict[tuple[str, CellKey], list[list[int]]] | None = None):
@@ -100,6 +109,7 @@ TABLE_COLUMNS = (
     ("MAL", "mean_accepted_length", ".2f", ""),
     ("RSS MB", "peak_rss_mb", ".0f", ""),
     ("vs target-only", "speedup_vs_target_only", ".2f", "x"),
+    ("paired", "speedup_vs_target_only_paired", ".2f", "x"),
     ("vs vLLM", "speedup_vs_vllm", ".2f", "x"),
 )
 

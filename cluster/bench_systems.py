@@ -148,21 +148,31 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
         result = new_cell_result(cell)
         result.update(drafted=0, accepted=0, steps=0, emitted=0)
         tag = f"{cell['workload']}-b{cell['batch']}-t{cell['temperature']}"
+        # vLLM's speculation is engine-wide: it cannot switch off per request, so no paired baseline there.
+        paired = bool(job.get("paired")) and system.spec_enabled and system.backend == "torch"
+        if paired:
+            result.update(paired_base_wall_s=0.0, paired_base_tokens=0)
         for g, (prompts, seeds) in enumerate(groups(cell["prompts"], cell["seeds"], cell["batch"])):
-            requests = [
-                NewRequest(
-                    f"{tag}-{g}-{i}",
-                    list(prompt),
-                    SamplingParams(temperature=cell["temperature"], seed=seed),
-                    job["max_new_tokens"],
-                    spec,
-                )
-                for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))
-            ]
-            start = time.perf_counter()
-            seqs = engine.generate(requests, on_step=lambda _s, emitted: events.tokens(len(emitted)),
-                                   ignore_eos=True)
-            result["wall_s"] += time.perf_counter() - start
+            made = [(f"{tag}-{g}-{i}", list(p), SamplingParams(temperature=cell["temperature"], seed=seed))
+                    for i, (p, seed) in enumerate(zip(prompts, seeds, strict=True))]
+            # --paired: the same engine with speculation off per request, before the system on even
+            # groups and after it on odd ones, so drift in machine speed falls on both alike.
+            order = (["base", "spec"] if g % 2 == 0 else ["spec", "base"]) if paired else ["spec"]
+            for phase in order:
+                if phase == "base":
+                    off = SpecParams(enabled=False)
+                    base_requests = [NewRequest(f"{rid}-base", p, sp, job["max_new_tokens"], off)
+                                     for rid, p, sp in made]
+                    start = time.perf_counter()
+                    base = engine.generate(base_requests, ignore_eos=True)
+                    result["paired_base_wall_s"] += time.perf_counter() - start
+                    result["paired_base_tokens"] += sum(len(s.output) for s in base)
+                    continue
+                start = time.perf_counter()
+                mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
+                seqs = engine.generate(mine, on_step=lambda _s, emitted: events.tokens(len(emitted)),
+                                       ignore_eos=True)
+                result["wall_s"] += time.perf_counter() - start
             for seq in seqs:
                 add_request(result, seq.output, seq.latency, job["max_new_tokens"])
                 if system.spec_enabled:

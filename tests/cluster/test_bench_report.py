@@ -41,6 +41,15 @@ def test_make_row_derives_rates_from_counts():
     assert r["peak_rss_mb"] == 812.5 and r["load_s"] == 3.0
 
 
+def test_paired_speedup_divides_by_the_interleaved_baseline():
+    c = cell(drafted=40, accepted=30, steps=20, emitted=50)              # 100 tokens in 10 s
+    assert make_row("specd-chain", c, 128, None, True)["speedup_vs_target_only_paired"] is None
+    c.update(paired_base_wall_s=16.0, paired_base_tokens=100)           # the same tokens took 16 s
+    r = make_row("specd-chain", c, 128, None, True)
+    assert r["speedup_vs_target_only_paired"] == pytest.approx(1.6)
+    assert "1.60x" in table_cells(r)
+
+
 def test_make_row_without_speculation_has_null_acceptance():
     r = make_row("target-only", cell(), 128, None, False)
     assert r["acceptance_rate"] is None and r["mean_accepted_length"] is None
@@ -87,7 +96,7 @@ def test_table_cells_show_dashes_for_missing_values():
     rows = add_ratios([row("target-only", 10.0), row("specd-chain", 15.0, speculative=True)])
     base, spec = table_cells(rows[0]), table_cells(rows[1])
     assert base[0] == "target-only" and base[-1] == "-" and base[6] == "-"
-    assert spec[-2] == "1.50x"
+    assert spec[-3] == "1.50x" and spec[-2] == "-"  # vs target-only; no paired run
     assert render_table(rows).row_count == 2
 
 
