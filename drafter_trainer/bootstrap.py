@@ -17,6 +17,11 @@ Phases:
 
 The teacher (drafter_trainer/teacher.py) runs on specd's own engine by default; `--teacher
 transformers` selects the reference implementation.
+
+Measured here (2 cores; a test run shared the machine part of the time): the default preset took
+15.6 min (teacher 10.9 min for 480 train + 24 eval prompts, ~71k generated tokens at ~108 tokens/s;
+distillation 4.6 min, 600 steps) and lifted the held-out greedy match from 7.2% to 42.5%
+(boot-e32f0f96). The previous preset (160 prompts, transformers teacher) reached 40.0%.
 """
 
 from __future__ import annotations
