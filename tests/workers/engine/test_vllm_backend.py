@@ -141,7 +141,9 @@ def test_proposer_rebuilds_after_divergent_history(tmp_path):
 @pytest.mark.parametrize("policy", ["fixed", "egag", "adaptive"])
 def test_proposer_gamma_policies_with_model_drafter(tmp_path, tiny_target_dir, tiny_drafter_dir, policy):
     # float32, so the incremental drafter and a fresh one fed the whole history round alike
-    proposer = make_proposer(tmp_path, "model", policy=policy, gamma=6, path=tiny_drafter_dir, dtype="float32")
+    proposer = make_proposer(
+        tmp_path, "model", policy=policy, gamma=6, path=tiny_drafter_dir, dtype="float32"
+    )
     fake = FakeVllm(PROMPTS, max_new=30, seed=1)
     lengths = []
     for _ in range(12):
