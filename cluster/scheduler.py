@@ -148,6 +148,7 @@ class _Replica:
         self.groups = [_Group() for _ in range(groups)]
         self.steps = 0
         self.drafter_version = ""
+        self.hidden = False                # the drafter reads target hidden states (asked at start)
         self.busy_base = (0.0, 0.0)        # workers' busy_seconds when the scheduler started
         self.active_seconds = 0.0          # wall time with at least one request on this replica
         self.active_since: float | None = None
@@ -198,6 +199,7 @@ class Scheduler:
     async def start(self) -> None:
         for rep in self.replicas:
             rep.busy_base = await self._busy_seconds(rep)
+            rep.hidden = bool(await rep.drafter.call("uses_target_hidden"))
             self._tasks += [asyncio.create_task(self._run_group(rep, g)) for g in rep.groups]
 
     async def reset_stats(self) -> None:
@@ -342,7 +344,8 @@ class Scheduler:
             proposed = await rep.drafter.call("propose", [self._draft_item(r) for r in drafting])
         plain = [Draft(r.id, []) for r in live if not r.new.spec.enabled]
         drafts = _in_order([*proposed, *plain], ids, "propose")
-        results = _in_order(await rep.target.call("verify", drafts), ids, "verify")
+        verify_args = (drafts, True) if rep.hidden else (drafts,)
+        results = _in_order(await rep.target.call("verify", *verify_args), ids, "verify")
         rep.steps += 1
         for req, draft, result in zip(live, drafts, results, strict=True):
             self._apply_step(rep, req, draft, result)
@@ -355,13 +358,20 @@ class Scheduler:
         now = time.perf_counter()
         for req in todo:
             req.stats.started_at = now
-        first = await rep.target.call("start", [r.new for r in todo])
+        hidden = None
+        if rep.hidden:
+            first, hidden = await rep.target.call("start", [r.new for r in todo], True)
+        else:
+            first = await rep.target.call("start", [r.new for r in todo])
         for req, tokens in zip(todo, first, strict=True):
             if not req.done:
                 self._deliver(req, req.seq.start(list(tokens)))
-        cont = [(r, list(t)) for r, t in zip(todo, first, strict=True) if not r.done and r.new.spec.enabled]
+        cont = [i for i, r in enumerate(todo) if not r.done and r.new.spec.enabled]
         if cont:
-            await rep.drafter.call("start", [r.new for r, _ in cont], [t for _, t in cont])
+            args = [[todo[i].new for i in cont], [list(first[i]) for i in cont]]
+            if hidden is not None:
+                args.append([hidden[i] for i in cont])
+            await rep.drafter.call("start", *args)
 
     def _draft_item(self, req: _Request) -> DraftItem:
         # Sequence caps γ at remaining - 1 (a step emits accepted + 1 tokens) and carries the commit.

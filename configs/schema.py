@@ -30,6 +30,9 @@ class TargetConfig:
 class DrafterConfig:
     kind: str = "model"                 # key of workers.drafters.registry.DRAFTERS ("model", "ngram")
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
+    # With path None: the bootstrapped drafter that reads the target's hidden states (boot-hidden), or,
+    # when False, the token-only one (boot-default; the vLLM backend needs it: vLLM keeps its states).
+    target_hidden: bool = True
     device: str = "cpu"
     # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token (measured here:
     # 2.85 -> 1.95 ms per drafted token). Verification stays exact whatever its precision.

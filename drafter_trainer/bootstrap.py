@@ -78,6 +78,13 @@ class BootstrapConfig:
     threads: int = 2
     reuse_teacher_data: bool = True
     progress: bool = True
+    # Second stage: fine-tune the drafter to also read the target's hidden states (hidden_stage.py).
+    target_hidden: bool = True
+    hidden_out_dir: str | None = None  # None: boot-hidden, or <out_dir>-hidden when out_dir is set
+    hidden_epochs: float = 3.0
+    hidden_lr: float = 3e-4
+    hidden_staleness: int = 4  # staleness embeddings: 0 (fresh) .. 3 (the 4th draft of a step, and on)
+    hidden_fresh_fraction: float = 0.5  # share of training positions that read a fresh state
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,11 +94,18 @@ class BootstrapConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> BootstrapConfig:
         """Small enough for CI on 2 CPU cores (a couple of minutes) and still a valid drafter."""
-        base = dict(num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0)
+        base = dict(num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0, hidden_epochs=2.0)
         return cls(**{**base, **overrides})
 
     def resolved_out_dir(self) -> Path:
         return Path(self.out_dir) if self.out_dir else cache_root() / "drafters" / "boot-default"
+
+    def resolved_hidden_out_dir(self) -> Path:
+        if self.hidden_out_dir:
+            return Path(self.hidden_out_dir)
+        if self.out_dir:
+            return Path(f"{self.out_dir}-hidden")
+        return cache_root() / "drafters" / "boot-hidden"
 
 
 # ------------------------------------------------------------------------------------- drafter init
@@ -168,25 +182,33 @@ def resolve_target_dir(target_dir: str | None) -> Path:
     return Path(ensure_target_model(target_dir))
 
 
-def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> Path:
-    """Build the default drafter from the target and write it to cfg's output dir; returns that dir."""
+@dataclass
+class TeacherData:
+    target_dir: Path
+    tokenizer: Any
+    vocab_size: int
+    eos_ids: list[int]
+    pad_id: int
+    train_ids: list[list[int]]
+    eval_ids: list[list[int]]
+    sequences: dict[str, list[TeacherSequence]]  # train-greedy, train-sampled, eval-greedy
+    cached_chunks: dict[str, int]
+
+    @property
+    def train(self) -> list[TeacherSequence]:
+        return self.sequences["train-greedy"] + self.sequences["train-sampled"]
+
+    @property
+    def eval(self) -> list[TeacherSequence]:
+        return self.sequences["eval-greedy"]
+
+
+def collect_teacher_data(cfg: BootstrapConfig, teacher: Teacher | None = None, lap=None) -> TeacherData:
+    """The target's continuations of the train and eval prompts (from the on-disk chunk cache when there)."""
     from transformers import AutoModelForCausalLM
 
     from workers.engine.runner import ModelRunner
     from workers.models.loader import load_tokenizer
-
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    timings: dict[str, float] = {}
-    t = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        timings[phase] = round(now - t, 1)
-        t = now
-        if cfg.progress:
-            print(f"[bootstrap] {phase}: {timings[phase]:.1f} s", flush=True)
 
     target_dir = resolve_target_dir(cfg.target_dir)
     tokenizer = load_tokenizer(target_dir)
@@ -242,8 +264,37 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
         sequences[name], cached_chunks[name] = run_teacher_cached(
             cfg, target_dir, name, prompts, temperature, run_teacher
         )
-        lap(f"teacher {name}")
+        if lap is not None:
+            lap(f"teacher {name}")
     target = None  # free the 538 MB target before training
+    return TeacherData(
+        target_dir, tokenizer, vocab_size, eos_ids, pad_id, train_ids, eval_ids, sequences, cached_chunks
+    )
+
+
+def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> Path:
+    """Build the default drafter from the target and write it to cfg's output dir; returns that dir.
+
+    With cfg.target_hidden the second stage (bootstrap_hidden_drafter) follows on the same data.
+    """
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        timings[phase] = round(now - t, 1)
+        t = now
+        if cfg.progress:
+            print(f"[bootstrap] {phase}: {timings[phase]:.1f} s", flush=True)
+
+    td = collect_teacher_data(cfg, teacher, lap)
+    target_dir, tokenizer, vocab_size, eos_ids, pad_id = (
+        td.target_dir, td.tokenizer, td.vocab_size, td.eos_ids, td.pad_id
+    )
+    train_ids, eval_ids, sequences, cached_chunks = td.train_ids, td.eval_ids, td.sequences, td.cached_chunks
     train_seqs = sequences["train-greedy"] + sequences["train-sampled"]
     eval_seqs = sequences["eval-greedy"]
 
@@ -334,6 +385,86 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
             f"({size_mb:.0f} MB) written to {out_dir}",
             flush=True,
         )
+    if cfg.target_hidden:
+        bootstrap_hidden_drafter(cfg, out_dir, td)
+    return out_dir
+
+
+def bootstrap_hidden_drafter(cfg: BootstrapConfig, base_dir: Path, td: TeacherData | None = None) -> Path:
+    """Second stage: the token drafter at base_dir, fine-tuned to read target hidden states (same data)."""
+    from drafter_trainer.drafter_format import load_drafter
+    from drafter_trainer.hidden_stage import (
+        HiddenDrafterLM,
+        fresh_greedy_match,
+        simulate_chain,
+        target_states,
+        train_hidden_drafter,
+    )
+    from workers.engine.runner import ModelRunner
+
+    torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    td = td or collect_teacher_data(cfg)
+    train_seqs, eval_seqs = td.train, td.eval
+    longest = max(int(s.token_ids.numel()) for s in train_seqs + eval_seqs)
+    runner = ModelRunner(td.target_dir, max_slots=8, num_threads=cfg.threads, max_seq_len=longest)
+    states = target_states(runner, train_seqs + eval_seqs, progress=cfg.progress)
+    del runner
+    train_states, eval_states = states[: len(train_seqs)], states[len(train_seqs) :]
+    t_states = time.perf_counter() - t0
+
+    base_state, base_config, base_meta = load_drafter(base_dir)
+    if any(name.startswith("model.feature_") for name in base_state):
+        raise ValueError(f"{base_dir} already reads target hidden states: give the token drafter")
+    base = DrafterLM.from_state_dict(base_config, base_state)
+    base.freeze_embeddings()
+    model = HiddenDrafterLM(base, cfg.hidden_staleness)
+    before = {"greedy_match": round(fresh_greedy_match(model, eval_seqs, eval_states), 4),
+              "chain_gamma4": simulate_chain(model, eval_seqs, eval_states)}
+    steps = max(1, round(cfg.hidden_epochs * len(train_seqs) / cfg.batch_size))
+    t1 = time.perf_counter()
+    losses = train_hidden_drafter(
+        model, train_seqs, train_states, steps, cfg.batch_size, cfg.hidden_lr, cfg.hidden_fresh_fraction,
+        cfg.seed, cfg.progress,
+    )
+    t_train = time.perf_counter() - t1
+    after = {"greedy_match": round(fresh_greedy_match(model, eval_seqs, eval_states), 4),
+             "chain_gamma4": simulate_chain(model, eval_seqs, eval_states)}
+    tail = losses[-max(1, len(losses) // 10) :]
+    meta = {
+        "parent_version": base_meta.get("version"),
+        "target": td.target_dir.name,
+        "train": {
+            **base_meta.get("train", {}),
+            "recipe": "token drafter + proj(target hidden state) + staleness embedding, top-k forward KL",
+            "hidden_stage": {
+                "steps": steps,
+                "lr": cfg.hidden_lr,
+                "staleness": cfg.hidden_staleness,
+                "fresh_fraction": cfg.hidden_fresh_fraction,
+                "final_train_loss": round(sum(tail) / len(tail), 4),
+                "eval_before": before,
+                "eval_after": after,
+                "timings_s": {"target_states": round(t_states, 1), "distill": round(t_train, 1)},
+            },
+            "greedy_match_after": after["greedy_match"],
+        },
+    }
+    out_dir = save_drafter(
+        cfg.resolved_hidden_out_dir(), model.state_dict(), model.config, meta,
+        tokenizer_dir=td.target_dir, version_prefix="boot-hidden",
+    )
+    if cfg.progress:
+        b, a = before["chain_gamma4"], after["chain_gamma4"]
+        print(
+            f"[bootstrap] hidden stage: greedy match {before['greedy_match']:.1%} -> "
+            f"{after['greedy_match']:.1%}; "
+            f"replayed greedy chain (γ=4) α {b['acceptance_rate']:.3f} -> {a['acceptance_rate']:.3f}, "
+            f"MAL {b['mean_accepted_length']:.2f} -> {a['mean_accepted_length']:.2f}\n"
+            f"[bootstrap] drafter {json.loads((out_dir / 'specd_drafter.json').read_text())['version']} "
+            f"written to {out_dir} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     return out_dir
 
 
@@ -365,6 +496,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="regenerate the teacher data even if cached",
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.add_argument(
+        "--no-target-hidden",
+        dest="target_hidden",
+        action="store_false",
+        default=None,
+        help="skip the second stage (the drafter that reads the target's hidden states)",
+    )
+    p.add_argument("--hidden-epochs", type=float)
+    p.add_argument("--hidden-out", dest="hidden_out_dir", help="output directory of the second stage")
     return p
 
 

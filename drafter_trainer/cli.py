@@ -9,9 +9,15 @@ from drafter_trainer import bootstrap
 
 def run(args: argparse.Namespace) -> int:
     cfg = bootstrap.config_from_args(args.options)
-    out = cfg.resolved_out_dir()
-    if args.if_missing and (out / "specd_drafter.json").exists():
-        print(f"[bootstrap] drafter already at {out}; nothing to do (drop --if-missing to rebuild)")
+    out, hidden_out = cfg.resolved_out_dir(), cfg.resolved_hidden_out_dir()
+    have = (out / "specd_drafter.json").exists()
+    have_hidden = not cfg.target_hidden or (hidden_out / "specd_drafter.json").exists()
+    if args.if_missing and have and have_hidden:
+        print(f"[bootstrap] drafters already at {out}; nothing to do (drop --if-missing to rebuild)")
+        return 0
+    if args.if_missing and have:
+        print(f"[bootstrap] drafter at {out}; building only the second stage at {hidden_out}")
+        bootstrap.bootstrap_hidden_drafter(cfg, out)
         return 0
     bootstrap.bootstrap_drafter(cfg)
     return 0

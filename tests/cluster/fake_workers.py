@@ -193,6 +193,9 @@ class FakeDrafter:
             self.running.pop(rid, None)
             self.last_draft.pop(rid, None)
 
+    def uses_target_hidden(self) -> bool:
+        return False
+
     def version(self) -> str:
         return self.version_id
 

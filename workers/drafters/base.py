@@ -5,6 +5,10 @@ request, the target verifies them, and `commit` hands back the verified outcome:
 the recovered or bonus token. The drafter then rolls back to the verified prefix (dropping whatever it
 drafted past the first rejection) and continues from the target's token, so rollback is exact.
 
+A drafter may read the target's hidden states (`uses_target_hidden`): then add_request and commit also
+get `hidden`, row j being the target's final hidden state that predicted token j of what they hand over
+(the target computes it anyway; the drafter learns to predict the token after).
+
 Drafts are either sampled from a distribution q (the model drafter: `probs` carries q so the verifier can
 accept with min(1, p/q) and sample the recovered token from norm(max(0, p - q))) or deterministic (the
 n-gram drafter: `probs` is None and the verifier treats q as one-hot on the drafted token).
@@ -68,6 +72,7 @@ class Drafter(ABC):
 
     name: ClassVar[str] = ""
     version: str = ""
+    uses_target_hidden: bool = False   # True: add_request and commit need the target's hidden states
 
     @classmethod
     @abstractmethod
@@ -81,7 +86,13 @@ class Drafter(ABC):
         return 1 << 30
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt_tokens: list[int], seed: int | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_tokens: list[int],
+        seed: int | None = None,
+        hidden: torch.Tensor | None = None,  # [len(prompt_tokens) - 1, H]: predicted tokens 1..
+    ) -> None:
         """Start tracking a request whose context is prompt_tokens; seed makes sampled drafts reproducible."""
 
     @abstractmethod
@@ -101,7 +112,13 @@ class Drafter(ABC):
         """
 
     @abstractmethod
-    def commit(self, request_id: str, num_accepted: int, new_tokens: list[int]) -> None:
+    def commit(
+        self,
+        request_id: str,
+        num_accepted: int,
+        new_tokens: list[int],
+        hidden: torch.Tensor | None = None,  # [len(new_tokens), H]: predicted each new token
+    ) -> None:
         """Apply a verified step: new_tokens = num_accepted accepted drafts + the recovered or bonus token.
 
         The drafter rolls back to the verified prefix and appends new_tokens, so its next proposal continues

@@ -5,6 +5,12 @@ they enter the cache at the start of the next proposal, in the same forward that
 draft's q. Drafts are fed one at a time; after verification the cache rolls back to the verified
 prefix and the target's token joins the feed, so rollback is exact and nothing is recomputed.
 
+A feature drafter (bootstrapped by drafter_trainer/hidden_stage.py) also reads the target's hidden
+states: each token's input gets the target state that predicted it. Drafted tokens the target has not
+seen yet get the newest state there is, marked k steps stale, as in training. After verification the
+drafts leave the cache and the verified tokens are fed again with their fresh states, so the cache
+only ever holds fresh ones, like the training data.
+
 A reduced head gives logits over V_sub target ids; logits processing on those equals processing the
 full vocabulary with -inf elsewhere, so q is computed small and scattered to the full vocabulary only
 when the verifier needs it (sampled requests). q is exactly zero outside the head's vocabulary.
@@ -28,13 +34,17 @@ META_FILE = "specd_drafter.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def default_drafter_dir(cache_dir: str | Path | None = None) -> Path:
-    """Where `specd bootstrap-drafter` writes the default drafter and serving looks for it."""
-    return Path(cache_dir or default_cache_dir()) / "drafters" / "boot-default"
+def default_drafter_dir(cache_dir: str | Path | None = None, target_hidden: bool = False) -> Path:
+    """Where `specd bootstrap-drafter` writes its drafters and serving looks for them: the token-only
+    drafter (boot-default) and the one fine-tuned from it to read target hidden states (boot-hidden)."""
+    name = "boot-hidden" if target_hidden else "boot-default"
+    return Path(cache_dir or default_cache_dir()) / "drafters" / name
 
 
-def resolve_drafter_dir(path: str | Path | None, cache_dir: str | Path | None = None) -> Path:
-    resolved = Path(path) if path else default_drafter_dir(cache_dir)
+def resolve_drafter_dir(
+    path: str | Path | None, cache_dir: str | Path | None = None, target_hidden: bool = False
+) -> Path:
+    resolved = Path(path) if path else default_drafter_dir(cache_dir, target_hidden)
     if not (resolved / "config.json").exists():
         raise FileNotFoundError(
             f"no drafter at {resolved}: create the default one with `specd bootstrap-drafter` "
@@ -57,6 +67,7 @@ class _DraftSeq:
     feed: list[int]                       # committed tokens not yet in the cache
     drafted: list[int] = field(default_factory=list)   # drafts of the open step
     tree: bool = False                    # the open step was a tree (its nodes never entered the cache)
+    feed_hidden: torch.Tensor | None = None  # [len(feed), H] target states that predicted the feed
 
 
 @register_drafter("model")
@@ -79,13 +90,15 @@ class ModelDrafter(Drafter):
         self.full_vocab_size = self.runner.model.cfg.vocab_size
         self.vocab_ids = self.runner.vocab_ids          # [V_sub] target ids, or None for a full head
         self.version = read_drafter_version(self.path)
+        self.uses_target_hidden = self.runner.model.feature_proj is not None
+        self.hidden_size = self.runner.model.cfg.hidden_size
         self.seed = seed
         self.seqs: dict[str, _DraftSeq] = {}
 
     @classmethod
     def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
         return cls(
-            resolve_drafter_dir(cfg.path, cache_dir),
+            resolve_drafter_dir(cfg.path, cache_dir, getattr(cfg, "target_hidden", False)),
             device=cfg.device,
             dtype=DTYPES[cfg.dtype],
             max_slots=cfg.max_slots,
@@ -97,25 +110,53 @@ class ModelDrafter(Drafter):
         return self.runner.cache.num_slots
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_tokens: list[int], seed: int | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_tokens: list[int], seed: int | None = None, hidden=None
+    ) -> None:
         if request_id in self.seqs:
             raise ValueError(f"request {request_id!r} already has drafter state")
+        feats = self._check_hidden(hidden, len(prompt_tokens) - 1, "add_request")
+        if feats is not None:
+            # token 0 has no predecessor state: zeros (the training data does the same)
+            feats = torch.cat([feats.new_zeros(1, self.hidden_size), feats])  # [len(prompt), H]
         slot = self.runner.allocate()
         if len(prompt_tokens) > 1:
-            self.runner.prefill([slot], [prompt_tokens[:-1]])
+            prefix = None if feats is None else [feats[:-1]]
+            self.runner.prefill([slot], [prompt_tokens[:-1]], features=prefix)
         # The drafter's randomness is its own stream: seeded requests stay reproducible end to end.
         gen = make_generator(None if seed is None else seed + 0x5EED)
-        self.seqs[request_id] = _DraftSeq(slot, gen, feed=[prompt_tokens[-1]])
+        self.seqs[request_id] = _DraftSeq(
+            slot, gen, feed=[prompt_tokens[-1]], feed_hidden=None if feats is None else feats[-1:]
+        )
+
+    def _check_hidden(self, hidden, rows: int, where: str) -> torch.Tensor | None:
+        if not self.uses_target_hidden:
+            return None
+        if hidden is None or tuple(hidden.shape) != (rows, self.hidden_size):
+            shape = None if hidden is None else tuple(hidden.shape)
+            raise ValueError(
+                f"{where}: this drafter needs target hidden states [{rows}, {self.hidden_size}], got {shape}"
+            )
+        return hidden.float()
 
     def remove_request(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.runner.free(seq.slot)
 
-    def commit(self, request_id: str, num_accepted: int, new_tokens: list[int]) -> None:
+    def commit(self, request_id: str, num_accepted: int, new_tokens: list[int], hidden=None) -> None:
         seq = self.seqs[request_id]
         n = len(seq.drafted)
-        if seq.tree or n == 0:
+        feats = self._check_hidden(hidden, len(new_tokens), "commit")
+        if feats is not None:
+            if n and not seq.tree:
+                # drafts went in with stale states: drop them all, re-feed the verified tokens fresh
+                self.runner.rollback(seq.slot, self.runner.length(seq.slot) - (n - 1))
+                seq.feed, seq.feed_hidden = list(new_tokens), feats
+            else:
+                seq.feed = seq.feed + list(new_tokens)
+                seq.feed_hidden = torch.cat([seq.feed_hidden, feats])
+        elif seq.tree or n == 0:
             # Tree nodes were never committed to the cache (see propose_tree): feed the accepted path.
             seq.feed = seq.feed + list(new_tokens)
         else:
@@ -151,8 +192,16 @@ class ModelDrafter(Drafter):
         qs: list[list[torch.Tensor]] = [[] for _ in request_ids]
         active = [i for i, g in enumerate(gammas) if g > 0]
         inputs = {i: seqs[i].feed for i in active}
+        feats = {i: seqs[i].feed_hidden for i in active}
         while active:
-            logits = self.runner.extend([seqs[i].slot for i in active], [inputs[i] for i in active])
+            extra = {}
+            if self.uses_target_hidden:
+                # feed: fresh states; the k-th draft: the newest state there is, k steps stale
+                extra = dict(
+                    features=[feats[i] for i in active],
+                    staleness=[[len(tokens[i])] * len(inputs[i]) for i in active],
+                )
+            logits = self.runner.extend([seqs[i].slot for i in active], [inputs[i] for i in active], **extra)
             last = torch.tensor([len(inputs[i]) - 1 for i in active])
             logits = logits[torch.arange(len(active)), last]                    # [b, V']
             q = self._q(logits, [params[i] for i in active])                    # [b, V']
@@ -160,7 +209,9 @@ class ModelDrafter(Drafter):
             ids = self._to_target_ids(picked)
             still = []
             for j, i in enumerate(active):
-                seqs[i].feed = []
+                if seqs[i].feed_hidden is not None and not tokens[i]:
+                    feats[i] = seqs[i].feed_hidden[-1:]
+                seqs[i].feed, seqs[i].feed_hidden = [], None
                 tokens[i].append(ids[j])
                 qs[i].append(q[j])
                 more = len(tokens[i]) < gammas[i]
@@ -193,6 +244,12 @@ class ModelDrafter(Drafter):
 
     # ---- token trees ----------------------------------------------------------------------------
     def propose_tree(self, request_ids, depths, widths, params, policy=None, states=None) -> DraftTree:
+        if self.uses_target_hidden:
+            # Not built for feature drafters yet: their tree is a chain, which the tree verifier takes.
+            return super().propose_tree(request_ids, depths, widths, params, policy=policy, states=states)
+        return self._propose_tree(request_ids, depths, widths, params)
+
+    def _propose_tree(self, request_ids, depths, widths, params) -> DraftTree:
         """Top-`width` first tokens, each continued as a chain to `depth`: one forward per level.
 
         The partial tree is re-run with a tree mask at every level and then rolled back, so the cache

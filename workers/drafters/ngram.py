@@ -49,7 +49,9 @@ class NGramDrafter(Drafter):
     def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
         return cls(min_ngram=cfg.min_ngram, max_ngram=cfg.max_ngram)
 
-    def add_request(self, request_id: str, prompt_tokens: list[int], seed: int | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_tokens: list[int], seed: int | None = None, hidden=None
+    ) -> None:
         if request_id in self._contexts:
             raise ValueError(f"request {request_id!r} is already tracked")
         context = _Context()
@@ -66,7 +68,7 @@ class NGramDrafter(Drafter):
         """A copy of the request's verified context (prompt + committed tokens)."""
         return list(self._get(request_id).tokens)
 
-    def commit(self, request_id: str, num_accepted: int, new_tokens: list[int]) -> None:
+    def commit(self, request_id: str, num_accepted: int, new_tokens: list[int], hidden=None) -> None:
         if not 0 <= num_accepted <= len(new_tokens):
             raise ValueError(f"num_accepted {num_accepted} exceeds the {len(new_tokens)} new tokens")
         # Drafts never entered the context, so the verified prefix is the context itself: append and go on.

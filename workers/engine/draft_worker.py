@@ -54,15 +54,24 @@ class DraftWorker:
     def max_slots(self) -> int:
         return self.drafter.max_slots()
 
+    def uses_target_hidden(self) -> bool:
+        """The drafter reads the target's hidden states: start and verify must return them."""
+        return self.drafter.uses_target_hidden
+
     def busy_seconds(self) -> float:
         return self._busy
 
-    def start(self, requests: list[NewRequest], first_tokens: list[list[int]]) -> None:
+    def start(self, requests: list[NewRequest], first_tokens: list[list[int]], prompt_hidden=None) -> None:
+        """prompt_hidden: the target's start(..., return_hidden=True) states, one per request, when
+        uses_target_hidden()."""
         t0 = time.perf_counter()
-        for req, first in zip(requests, first_tokens, strict=True):
+        if self.drafter.uses_target_hidden and prompt_hidden is None:
+            raise ValueError(f"drafter {self.drafter.version} reads target hidden states: pass prompt_hidden")
+        for i, (req, first) in enumerate(zip(requests, first_tokens, strict=True)):
             policy = build_policy(req.spec.policy, self.spec, req.spec.gamma, req.spec.tree_width)
+            extra = {"hidden": prompt_hidden[i]} if self.drafter.uses_target_hidden else {}
             self.drafter.add_request(
-                req.request_id, list(req.prompt_token_ids) + list(first), seed=req.sampling.seed
+                req.request_id, list(req.prompt_token_ids) + list(first), seed=req.sampling.seed, **extra
             )
             self.requests[req.request_id] = _DraftRequest(req, policy, policy.new_state(), len(first))
         self._busy += time.perf_counter() - t0
@@ -83,7 +92,8 @@ class DraftWorker:
         for item in items:
             r = self.requests[item.request_id]
             if item.commit_tokens:
-                self.drafter.commit(item.request_id, item.commit_accepted, item.commit_tokens)
+                extra = {"hidden": item.commit_hidden} if self.drafter.uses_target_hidden else {}
+                self.drafter.commit(item.request_id, item.commit_accepted, item.commit_tokens, **extra)
                 r.policy.observe(r.state, r.last_drafted, item.commit_accepted, depth=r.last_depth)
                 r.generated += len(item.commit_tokens)
             remaining = r.request.max_new_tokens - r.generated

@@ -84,49 +84,93 @@ class ModelRunner:
     # ---- forwards ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        features: list[torch.Tensor] | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Append whole prompts; return the logits after each prompt's last token: [b, vocab].
 
         Long prompts go in chunks of `prefill_chunk` tokens per row; rows whose prompt is done
         drop out of later chunks. The head runs only on each row's last token.
+        features: a feature drafter's inputs, one [len(prompt), hidden] per row (all fresh).
+        return_hidden: also return each prompt's final hidden states, [len(prompt), hidden] per row.
         """
         if len(slots) != len(prompts) or any(len(p) == 0 for p in prompts):
             raise ValueError("prefill needs one non-empty prompt per slot")
         out = None
+        hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
         longest = max(len(p) for p in prompts)
         for begin in range(0, longest, self.prefill_chunk):
             rows = [i for i, p in enumerate(prompts) if len(p) > begin]
-            chunks = [prompts[i][begin : begin + self.prefill_chunk] for i in rows]
+            end = begin + self.prefill_chunk
+            chunks = [prompts[i][begin:end] for i in rows]
             last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)[:, None]  # [b, 1]
-            logits = self._extend([slots[i] for i in rows], chunks, logit_index=last)  # [b, 1, vocab]
+            feats = None if features is None else [features[i][begin:end] for i in rows]
+            res = self._extend([slots[i] for i in rows], chunks, last, feats, None, return_hidden)
+            logits = res[0] if return_hidden else res  # [b, 1, vocab]
             if out is None:
                 out = logits.new_empty(len(slots), logits.shape[-1])  # [b, vocab]
             for j, i in enumerate(rows):
-                if len(prompts[i]) <= begin + self.prefill_chunk:
+                if return_hidden:
+                    hidden[i].append(res[1][j, : len(chunks[j])])
+                if len(prompts[i]) <= end:
                     out[i] = logits[j, 0]
+        if return_hidden:
+            return out, [torch.cat(h) for h in hidden]
         return out
 
     @torch.inference_mode()
-    def extend(self, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    def extend(
+        self,
+        slots: list[int],
+        tokens: list[list[int]],
+        features: list[torch.Tensor] | None = None,
+        staleness: list[list[int]] | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Append tokens (a different count per row allowed), causally: logits [b, n_max, vocab].
 
         Row i's logits at index j follow its token j; entries j >= len(tokens[i]) are padding.
+        features[i] [len(tokens[i]), hidden] and staleness[i] feed a feature drafter (see
+        workers/models/llama.py); return_hidden adds the final hidden states [b, n_max, hidden].
         """
         if len(slots) != len(tokens) or any(len(t) == 0 for t in tokens):
             raise ValueError("extend needs one non-empty token list per slot")
-        return self._extend(slots, tokens)
+        return self._extend(slots, tokens, None, features, staleness, return_hidden)
 
-    def _extend(self, slots: list[int], tokens: list[list[int]], logit_index=None) -> torch.Tensor:
+    def _extend(
+        self, slots, tokens, logit_index=None, features=None, staleness=None, return_hidden=False
+    ):
         counts = [len(t) for t in tokens]
         n = max(counts)
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=self.device)  # [b, n]
         starts = self.cache.lengths[slots]  # [b]
         positions = (starts[:, None] + torch.arange(n)).to(self.device)  # [b, n]
-        logits = self._forward(
-            ids, positions, slots, self.cache, logit_index=logit_index, full_vocab=self.full_vocab
+        feats = stale = None
+        if features is not None:
+            feats, stale = self._feature_inputs(features, staleness, counts, n)
+        out = self._forward(
+            ids, positions, slots, self.cache, logit_index=logit_index, full_vocab=self.full_vocab,
+            features=feats, staleness=stale, return_hidden=return_hidden,
         )
         self.cache.lengths[slots] = starts + torch.tensor(counts)
-        return logits
+        return out
+
+    def _feature_inputs(self, features, staleness, counts, n):
+        """Right-padded [b, n, hidden] features and [b, n] staleness (0 = fresh) on the device."""
+        width = self.model.cfg.hidden_size
+        feats = torch.zeros(len(counts), n, width, dtype=self.model.embed_tokens.dtype)
+        stale = torch.zeros(len(counts), n, dtype=torch.long)
+        for i, c in enumerate(counts):
+            if features[i].shape != (c, width):
+                raise ValueError(f"row {i}: features {tuple(features[i].shape)} != ({c}, {width})")
+            feats[i, :c] = features[i]
+            if staleness is not None:
+                stale[i, :c] = torch.as_tensor(staleness[i], dtype=torch.long)
+        return feats.to(self.device), stale.to(self.device)
 
     @torch.inference_mode()
     def extend_tree(
@@ -134,13 +178,18 @@ class ModelRunner:
         slot: int,
         tree_tokens: list[int] | torch.Tensor,  # [n]: root first, then draft nodes
         parents: list[int] | torch.Tensor,  # [n]: parent node index, -1 for the root; parents[i] < i
-    ) -> torch.Tensor:
-        """Append a token tree in one forward with a tree mask: logits [n, vocab].
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Append a token tree in one forward with a tree mask: logits [n, vocab] (+ hidden [n, H]).
 
         Node i gets RoPE position length + depth(i) and cache position length + i, so the slot's
         length grows by n; keep_tree_path then keeps only the accepted path.
         """
-        return self.extend_trees([slot], [tree_tokens], [parents])[0, : len(tree_tokens)]
+        n = len(tree_tokens)
+        out = self.extend_trees([slot], [tree_tokens], [parents], return_hidden=return_hidden)
+        if return_hidden:
+            return out[0][0, :n], out[1][0, :n]
+        return out[0, :n]
 
     @torch.inference_mode()
     def extend_trees(
@@ -148,7 +197,8 @@ class ModelRunner:
         slots: list[int],
         trees_tokens: list[list[int] | torch.Tensor],
         trees_parents: list[list[int] | torch.Tensor],
-    ) -> torch.Tensor:
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Batched extend_tree over several slots (trees padded to the largest): [b, n_max, vocab]."""
         sizes = [len(t) for t in trees_tokens]
         n = max(sizes)
@@ -177,6 +227,7 @@ class ModelRunner:
             self.cache,
             attn_mask=mask.to(self.device),
             full_vocab=self.full_vocab,
+            return_hidden=return_hidden,
         )
         self.cache.lengths[slots] = starts + torch.tensor(sizes)
         return logits

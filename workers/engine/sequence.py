@@ -26,6 +26,7 @@ class Sequence:
     finish_time: float | None = None
     _last_accepted: int = 0
     _last_new: list[int] = field(default_factory=list)
+    _last_hidden: object = None                  # [len(_last_new), hidden] tensor or None
 
     @property
     def request_id(self) -> str:
@@ -52,8 +53,9 @@ class Sequence:
             gamma=self.gamma_cap(),
             commit_accepted=self._last_accepted,
             commit_tokens=list(self._last_new),
+            commit_hidden=self._last_hidden,
         )
-        self._last_accepted, self._last_new = 0, []
+        self._last_accepted, self._last_new, self._last_hidden = 0, [], None
         return item
 
     def append(self, tokens: list[int]) -> list[int]:
@@ -89,6 +91,7 @@ class Sequence:
             depth=result.depth,
         )
         self._last_accepted, self._last_new = result.num_accepted, list(result.new_tokens)
+        self._last_hidden = result.hidden
         return self.append(result.new_tokens)
 
     def abort(self, reason: str = "abort") -> None:

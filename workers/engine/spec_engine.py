@@ -23,6 +23,8 @@ class SpecEngine:
         info = target.info()
         self.eos_token_ids = tuple(info["eos_token_ids"])
         self.max_running = max_running or info["max_slots"]
+        # A feature drafter reads the target's hidden states: the target returns them with each result.
+        self.hidden = drafter is not None and drafter.uses_target_hidden()
         if drafter is not None:
             self.max_running = min(self.max_running, drafter.max_slots())
 
@@ -53,9 +55,13 @@ class SpecEngine:
 
     def _start(self, admitted: list[Sequence], running: dict[str, Sequence], on_step) -> None:
         reqs = [s.request for s in admitted]
-        first = self.target.start(reqs)
-        if self.drafter is not None:
-            self.drafter.start(reqs, first)
+        if self.hidden:
+            first, hidden = self.target.start(reqs, return_hidden=True)
+            self.drafter.start(reqs, first, hidden)
+        else:
+            first = self.target.start(reqs)
+            if self.drafter is not None:
+                self.drafter.start(reqs, first)
         for seq, toks in zip(admitted, first, strict=True):
             running[seq.request_id] = seq
             emitted = seq.start(toks)
@@ -73,7 +79,10 @@ class SpecEngine:
         else:
             drafts = [Draft(s.request_id, []) for s in active]
             version = None
-        results = self.target.verify(drafts)
+        if self.hidden:
+            results = self.target.verify(drafts, return_hidden=True)
+        else:
+            results = self.target.verify(drafts)
         for seq, res in zip(active, results, strict=True):
             emitted = seq.apply(res, drafter_version=version if res.num_drafted else None)
             if on_step:

@@ -95,8 +95,15 @@ class TargetWorker:
         return self._busy
 
     # ---- requests ------------------------------------------------------------------------------
-    def start(self, requests: list[NewRequest]) -> list[list[int]]:
-        """Prefill each prompt and sample its first token from p at the last prompt position."""
+    def start(
+        self, requests: list[NewRequest], return_hidden: bool = False
+    ) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
+        """Prefill each prompt and sample its first token from p at the last prompt position.
+
+        return_hidden: also return each prompt's final hidden states [len(prompt), hidden] (float32,
+        cpu); row j is the state that predicted token j + 1 (the last one predicted the first token).
+        A feature drafter reads them (workers/drafters/model.py).
+        """
         t0 = time.perf_counter()
         for req in requests:
             if req.request_id in self.running:
@@ -113,7 +120,13 @@ class TargetWorker:
         slots = [self.runner.allocate() for _ in requests]
         try:
             with torch.inference_mode():
-                logits = self.runner.prefill(slots, [r.prompt_token_ids for r in requests])  # [b, vocab]
+                prompts = [r.prompt_token_ids for r in requests]
+                hidden = None
+                if return_hidden:
+                    logits, hidden = self.runner.prefill(slots, prompts, return_hidden=True)  # [b, vocab]
+                    hidden = [h.float().cpu() for h in hidden]
+                else:
+                    logits = self.runner.prefill(slots, prompts)  # [b, vocab]
                 params = [r.sampling for r in requests]
                 generators = [make_generator(p.seed) for p in params]
                 probs = self._probs(logits[:, None, :], params)[:, 0]                      # [b, vocab]
@@ -127,6 +140,8 @@ class TargetWorker:
                 slot, req.sampling, gen, pending=tok, num_tokens=len(req.prompt_token_ids) + 1
             )
         self._busy += time.perf_counter() - t0
+        if return_hidden:
+            return [[tok] for tok in first], hidden
         return [[tok] for tok in first]
 
     def release(self, request_ids: list[str]) -> None:
@@ -136,8 +151,11 @@ class TargetWorker:
                 self.runner.free(run.slot)
 
     # ---- verification --------------------------------------------------------------------------
-    def verify(self, drafts: list[Draft]) -> list[VerifyResult]:
-        """One target forward per group of requests; chains are batched, trees go one at a time."""
+    def verify(self, drafts: list[Draft], return_hidden: bool = False) -> list[VerifyResult]:
+        """One target forward per group of requests; chains are batched, trees go one at a time.
+
+        return_hidden fills VerifyResult.hidden: the hidden state that predicted each new token.
+        """
         t0 = time.perf_counter()
         unknown = [d.request_id for d in drafts if d.request_id not in self.running]
         if unknown:
@@ -147,10 +165,10 @@ class TargetWorker:
         results: dict[str, VerifyResult] = {}
         with torch.inference_mode():
             if chains:
-                for res in self._verify_chains(chains):
+                for res in self._verify_chains(chains, return_hidden):
                     results[res.request_id] = res
             for draft in trees:
-                results[draft.request_id] = self._verify_tree(draft)
+                results[draft.request_id] = self._verify_tree(draft, return_hidden)
         self._busy += time.perf_counter() - t0
         return [results[d.request_id] for d in drafts]
 
@@ -159,12 +177,16 @@ class TargetWorker:
         temperature, top_k, top_p = params_to_tensors(params, logits.device)
         return logits_to_probs(logits.float(), temperature, top_k, top_p)
 
-    def _verify_chains(self, drafts: list[Draft]) -> list[VerifyResult]:
+    def _verify_chains(self, drafts: list[Draft], return_hidden: bool) -> list[VerifyResult]:
         runs = [self.running[d.request_id] for d in drafts]
         slots = [r.slot for r in runs]
         inputs = [[r.pending, *d.tokens] for r, d in zip(runs, drafts, strict=True)]
         starts = [self.runner.length(s) for s in slots]
-        logits = self.runner.extend(slots, inputs)                       # [b, γmax+1, vocab]
+        hidden = None
+        if return_hidden:
+            logits, hidden = self.runner.extend(slots, inputs, return_hidden=True)  # + [b, γmax+1, H]
+        else:
+            logits = self.runner.extend(slots, inputs)                   # [b, γmax+1, vocab]
         p = self._probs(logits, [r.sampling for r in runs])              # [b, γmax+1, vocab]
         gamma_max = p.shape[1] - 1
         num_drafts = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
@@ -181,9 +203,11 @@ class TargetWorker:
             self.runner.rollback(run.slot, starts[i] + 1 + accepted)
             run.pending = new_tokens[-1]
             run.num_tokens += len(new_tokens)
-            results.append(
-                VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bool(out.is_bonus[i]))
-            )
+            res = VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bool(out.is_bonus[i]))
+            if hidden is not None:
+                # the states at [pending, accepted drafts] predicted [accepted drafts, recovered|bonus]
+                res.hidden = hidden[i, : accepted + 1].float().cpu()
+            results.append(res)
         return results
 
     @staticmethod
@@ -202,13 +226,14 @@ class TargetWorker:
                 q[i, :n] = d.probs.to(device=device, dtype=torch.float32)
         return q
 
-    def _verify_tree(self, draft: Draft) -> VerifyResult:
+    def _verify_tree(self, draft: Draft, return_hidden: bool) -> VerifyResult:
         run = self.running[draft.request_id]
         start = self.runner.length(run.slot)
         tokens = torch.tensor([run.pending, *draft.tokens], dtype=torch.long)     # [n]
         parents = torch.tensor([-1, *draft.parents[1:]], dtype=torch.long)        # [n]
         tree = TokenTree(tokens=tokens, parents=parents)
-        logits = self.runner.extend_tree(run.slot, tokens, parents)              # [n, vocab]
+        # logits [n, vocab], hidden [n, H]
+        logits, hidden = self.runner.extend_tree(run.slot, tokens, parents, return_hidden=True)
         p = self._probs(logits[None], [run.sampling])[0]                         # [n, vocab]
         q = None
         if draft.probs is not None:
@@ -225,4 +250,6 @@ class TargetWorker:
             out.is_bonus,
             accepted_nodes=list(out.accepted_nodes),
             depth=int(tree.depth().max()),
+            # the root and each accepted node predicted the next token on the path
+            hidden=hidden[[0, *out.accepted_nodes]].float().cpu() if return_hidden else None,
         )

@@ -43,6 +43,7 @@ class DraftItem:
     gamma: int                                  # planned draft length; 0 = no drafting this step
     commit_accepted: int = 0                    # accepted drafts of the previous step
     commit_tokens: list[int] = field(default_factory=list)  # accepted drafts + recovered/bonus token
+    commit_hidden: torch.Tensor | None = None   # [len(commit_tokens), hidden]: VerifyResult.hidden
 
 
 @dataclass
@@ -69,3 +70,6 @@ class VerifyResult:
     depth: int | None = None                    # tree only: its number of levels (chain: None)
     teacher_topk_ids: list[list[int]] | None = None      # [len(new_tokens)][k], for replay records
     teacher_topk_logprobs: list[list[float]] | None = None
+    # [len(new_tokens), hidden] float32: the target's final hidden state that predicted each new token;
+    # only when the drafter reads target hidden states (verify(..., return_hidden=True))
+    hidden: torch.Tensor | None = None

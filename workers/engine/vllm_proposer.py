@@ -124,6 +124,11 @@ class SpecdProposer:
             seed=self.settings.seed,
             cache_dir=self.settings.cache_dir,
         )
+        if self.worker.uses_target_hidden():
+            raise ValueError(
+                f"drafter {self.worker.version()} reads the target's hidden states, which vLLM does not hand "
+                "to a proposer: use a token-only drafter (drafter.target_hidden=false or a drafter.path)"
+            )
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
         # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.

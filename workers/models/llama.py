@@ -32,10 +32,23 @@ from workers.models.layers import (
 )
 
 DRAFT_VOCAB_IDS = "draft_vocab_ids"
+# A drafter that reads the target's hidden states (see workers/drafters/model.py) adds to each token's
+# embedding proj(feature) + staleness[s]: feature is the target's final hidden state that predicted the
+# token, or, for a drafted token the target has not seen yet, the newest one it has, s steps stale.
+FEATURE_PROJ = "model.feature_proj.weight"
+FEATURE_STALENESS = "model.feature_staleness"
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, draft_vocab_size: int | None = None, max_seq_len: int | None = None):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        draft_vocab_size: int | None = None,
+        max_seq_len: int | None = None,
+        feature_staleness: int | None = None,
+    ):
+        """feature_staleness: number of staleness embeddings of a drafter that reads target hidden
+        states (None: an ordinary model)."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
@@ -50,6 +63,11 @@ class Llama(nn.Module):
             self.register_buffer(DRAFT_VOCAB_IDS, torch.zeros(draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab_ids = None
+        self.feature_proj: Linear | None = None
+        self.feature_staleness: nn.Parameter | None = None
+        if feature_staleness is not None:
+            self.feature_proj = Linear(cfg.hidden_size, cfg.hidden_size)
+            self.feature_staleness = nn.Parameter(torch.empty(feature_staleness, cfg.hidden_size))
         max_pos = max_seq_len or cfg.max_position_embeddings
         # A plain attribute, not a buffer: Module.to(dtype) would cast a complex buffer to real.
         self.rope = rope_table(cfg.head_dim, cfg.rope_theta, max_pos)  # [max_pos, d/2] complex64
@@ -89,8 +107,14 @@ class Llama(nn.Module):
         attn_mask: torch.Tensor | None = None,  # [b, n, n] bool among the new tokens; None = causal
         logit_index: torch.Tensor | None = None,  # [b, m] which of the n positions get logits
         full_vocab: bool = True,
-    ) -> torch.Tensor:
+        features: torch.Tensor | None = None,  # [b, n, hidden] target hidden states (feature drafters)
+        staleness: torch.Tensor | None = None,  # [b, n] int: steps each feature is behind its token
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, m or n, vocab] for the new tokens; their K/V land in the cache.
+
+        return_hidden: also return the final-norm hidden states of all n new tokens, [b, n, hidden]
+        (what the head reads; a feature drafter consumes the target's).
 
         Row i's new tokens are stored at cache positions lengths[slot_i] + 0..n-1 (storage order,
         independent of `positions`, so tree siblings of equal depth do not collide) and attend to
@@ -109,8 +133,19 @@ class Llama(nn.Module):
 
         rope = self.rope[positions.to(self.rope.device)].unsqueeze(2)  # [b, n, 1, d/2] complex
         x = F.embedding(input_ids, self.embed_tokens)  # [b, n, hidden]
+        if self.feature_proj is not None:
+            if features is None or staleness is None:
+                raise ValueError("this drafter reads target hidden states: pass features and staleness")
+            stale = staleness.clamp(max=self.feature_staleness.shape[0] - 1)
+            x = x + self.feature_proj(features.to(x.dtype)) + self.feature_staleness[stale]
         for layer, block in enumerate(self.layers):
             x = block(x, rope, mask, cache, layer, plan)
+        if return_hidden:
+            hidden = self.norm(x)  # [b, n, hidden]
+            picked = hidden if logit_index is None else hidden.gather(
+                1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1])
+            )
+            return self._head(picked, full_vocab), hidden
         if logit_index is not None:
             x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, m, hidden]
         return self._head(self.norm(x), full_vocab)
@@ -156,6 +191,10 @@ class Llama(nn.Module):
             return None if self.tied else (self.lm_head.weight, None, 0)
         if name == DRAFT_VOCAB_IDS:
             return (self.draft_vocab_ids, None, 0) if self.draft_vocab_ids is not None else None
+        if name == FEATURE_PROJ and self.feature_proj is not None:
+            return self.feature_proj.weight, None, 0
+        if name == FEATURE_STALENESS and self.feature_staleness is not None:
+            return self.feature_staleness, None, 0
         parts = name.split(".")
         if parts[:2] != ["model", "layers"] or len(parts) < 5 or int(parts[2]) >= len(self.layers):
             return None
@@ -208,6 +247,8 @@ class Llama(nn.Module):
             names.add("lm_head.weight")
         if self.draft_vocab_ids is not None:
             names.add(DRAFT_VOCAB_IDS)
+        if self.feature_proj is not None:
+            names.update((FEATURE_PROJ, FEATURE_STALENESS))
         per_layer = [
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
@@ -233,14 +274,17 @@ class Llama(nn.Module):
         model_dir = Path(model_dir)
         cfg = LlamaConfig.from_dir(model_dir)
         files = safetensors_files(model_dir)
-        draft_vocab_size = None
+        draft_vocab_size = feature_staleness = None
         for path in files:
             with safe_open(str(path), framework="pt") as f:
-                if DRAFT_VOCAB_IDS in f.keys():  # noqa: SIM118 (safe_open has keys(), no __contains__)
+                names = set(f.keys())
+                if DRAFT_VOCAB_IDS in names:
                     draft_vocab_size = f.get_slice(DRAFT_VOCAB_IDS).get_shape()[0]
+                if FEATURE_STALENESS in names:
+                    feature_staleness = f.get_slice(FEATURE_STALENESS).get_shape()[0]
         # Allocated uninitialised (no random init of 28M-element matrices), then filled from disk.
         with torch.device(device):
-            model = cls(cfg, draft_vocab_size, max_seq_len)
+            model = cls(cfg, draft_vocab_size, max_seq_len, feature_staleness)
         model.to(dtype)  # floating point tensors only: draft_vocab_ids stays int64
         model.load_hf_tensors(iter_safetensors(files))
         model.eval().requires_grad_(False)
