@@ -113,7 +113,7 @@ def unavailable_reason(system: System, cfg) -> str | None:
         from workers.drafters.model import resolve_drafter_dir
 
         try:
-            resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir)
+            resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, system.target_hidden)
         except FileNotFoundError as exc:
             return str(exc).split(":")[0] + " (run `specd bootstrap-drafter` or set drafter.path)"
     return None

@@ -6,13 +6,15 @@ A system is one way of generating the same tokens from the same prompts with the
     transformers     AutoModelForCausalLM.generate on the same converted model directory
     vllm             vLLM autoregressive (cluster/bench_vllm.py)
     vllm-ngram       vLLM with its own n-gram (prompt lookup) speculation
-    specd-chain      model drafter, γ = 4 fixed
+    specd-chain      model drafter (the default one, reading the target's hidden states), γ = 4 fixed
+    specd-chain-tokens  the token-only model drafter (bootstrap's first stage), γ = 4 fixed
     specd-tree       model drafter, token tree of width 3 and depth 4
     specd-ngram      n-gram drafter (drafter.kind=ngram), γ = 4 fixed
     specd-egag       model drafter, entropy-guided γ up to 8
     specd-confidence model drafter, γ up to 8, drafting on while its top-1 probability >= 0.4
     specd-adaptive   model drafter, acceptance-adaptive γ up to 8
-    vllm-specd-chain target.backend=vllm: vLLM verifies, specd's model drafter proposes (γ = 4 fixed)
+    vllm-specd-chain target.backend=vllm: vLLM verifies, specd's token-only model drafter proposes
+                     (γ = 4 fixed; vLLM does not hand its hidden states to a proposer)
     vllm-specd-ngram target.backend=vllm with specd's n-gram drafter (γ = 4 fixed)
 
 Run as `python -m cluster.bench_systems JOB OUT --events-fd N` (see cluster/bench_child.py), one system
@@ -41,6 +43,7 @@ class System:
     spec_enabled: bool = False                  # specd: False = target-only decoding
     drafter_kind: str | None = None             # specd: "model" | "ngram" | None (no drafter)
     backend: str = "torch"                      # specd: target.backend, "torch" or "vllm"
+    target_hidden: bool = True                  # specd model drafter: the one reading target hidden states
     vllm_speculative: dict[str, Any] | None = field(default=None, hash=False)
 
     @property
@@ -68,6 +71,8 @@ SYSTEMS: dict[str, System] = {
                vllm_speculative=VLLM_NGRAM),
         System("specd-chain", "specd", "model drafter, chain, γ=4 fixed",
                spec_enabled=True, drafter_kind="model"),
+        System("specd-chain-tokens", "specd", "token-only model drafter, chain, γ=4 fixed",
+               spec_enabled=True, drafter_kind="model", target_hidden=False),
         System("specd-tree", "specd", "model drafter, tree width 3 depth 4",
                tree_width=3, spec_enabled=True, drafter_kind="model"),
         System("specd-ngram", "specd", "n-gram drafter, γ=4 fixed",
@@ -78,8 +83,8 @@ SYSTEMS: dict[str, System] = {
                gamma=8, policy="confidence", spec_enabled=True, drafter_kind="model"),
         System("specd-adaptive", "specd", "model drafter, adaptive γ≤8",
                gamma=8, policy="adaptive", spec_enabled=True, drafter_kind="model"),
-        System("vllm-specd-chain", "specd", "vLLM target + specd model drafter, γ=4 fixed",
-               spec_enabled=True, drafter_kind="model", backend="vllm"),
+        System("vllm-specd-chain", "specd", "vLLM target + specd token-only model drafter, γ=4 fixed",
+               spec_enabled=True, drafter_kind="model", backend="vllm", target_hidden=False),
         System("vllm-specd-ngram", "specd", "vLLM target + specd n-gram drafter, γ=4 fixed",
                spec_enabled=True, drafter_kind="ngram", backend="vllm"),
     )
@@ -100,6 +105,8 @@ def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
     ]
     if system.drafter_kind is not None:
         out.append(f"drafter.kind={system.drafter_kind}")
+    if system.drafter_kind == "model":
+        out.append(f"drafter.target_hidden={str(system.target_hidden).lower()}")
     if system.backend == "vllm":
         # vLLM's proposer takes no per-request settings: γ budget and policy are the engine's.
         out += ["target.backend=vllm", f"spec.gamma={system.gamma}", f"spec.policy={system.policy}"]

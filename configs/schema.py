@@ -31,7 +31,8 @@ class DrafterConfig:
     kind: str = "model"                 # key of workers.drafters.registry.DRAFTERS ("model", "ngram")
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
     # With path None: the bootstrapped drafter that reads the target's hidden states (boot-hidden), or,
-    # when False, the token-only one (boot-default; the vLLM backend needs it: vLLM keeps its states).
+    # when False, the token-only one (boot-default). The vLLM backend always takes the token-only one:
+    # vLLM does not hand its hidden states to a proposer.
     target_hidden: bool = True
     device: str = "cpu"
     # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token (measured here:

@@ -81,8 +81,8 @@ class BootstrapConfig:
     # Second stage: fine-tune the drafter to also read the target's hidden states (hidden_stage.py).
     target_hidden: bool = True
     hidden_out_dir: str | None = None  # None: boot-hidden, or <out_dir>-hidden when out_dir is set
-    hidden_epochs: float = 3.0
-    hidden_lr: float = 3e-4
+    hidden_epochs: float = 6.0
+    hidden_lr: float = 5e-4
     hidden_staleness: int = 4  # staleness embeddings: 0 (fresh) .. 3 (the 4th draft of a step, and on)
     hidden_fresh_fraction: float = 0.5  # share of training positions that read a fresh state
     extra_meta: dict[str, Any] = field(default_factory=dict)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
+
 from workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
 
 VOCAB = 100
@@ -95,7 +97,20 @@ class FakeTarget:
             time.sleep(self.delay)
         self._busy += time.perf_counter() - t0
 
-    def start(self, requests: list[NewRequest]) -> list[list[int]]:
+    @staticmethod
+    def hidden_of(tokens: list[int]) -> torch.Tensor:
+        """Fake hidden states: the row that predicted a token holds that token, so a drafter can check
+        it got the rows of exactly the tokens it is handed: [len(tokens), 1]."""
+        return torch.tensor(tokens, dtype=torch.float32)[:, None]
+
+    def start(self, requests: list[NewRequest], return_hidden: bool = False):
+        out = self._start(requests)
+        if return_hidden:
+            pairs = zip(requests, out, strict=True)
+            return out, [self.hidden_of([*r.prompt_token_ids[1:], *f]) for r, f in pairs]
+        return out
+
+    def _start(self, requests: list[NewRequest]) -> list[list[int]]:
         self.tracker.enter("target", "start", [r.request_id for r in requests])
         try:
             self.gate.wait(timeout=30)
@@ -112,7 +127,13 @@ class FakeTarget:
         finally:
             self.tracker.leave("target")
 
-    def verify(self, drafts: list[Draft]) -> list[VerifyResult]:
+    def verify(self, drafts: list[Draft], return_hidden: bool = False) -> list[VerifyResult]:
+        results = self._verify(drafts)
+        for res in results if return_hidden else []:
+            res.hidden = self.hidden_of(res.new_tokens)
+        return results
+
+    def _verify(self, drafts: list[Draft]) -> list[VerifyResult]:
         self.tracker.enter("target", "verify", [d.request_id for d in drafts])
         try:
             self.verify_gate.wait(timeout=30)
@@ -147,8 +168,12 @@ class FakeTarget:
 
 
 class FakeDrafter:
-    def __init__(self, target: FakeTarget | None, delay: float = 0.0, version: str = "v1"):
+    def __init__(
+        self, target: FakeTarget | None, delay: float = 0.0, version: str = "v1", hidden: bool = False
+    ):
         self.target = target            # None (e.g. in another process): skip the cross-check
+        self.hidden = hidden            # reads target hidden states: checks it gets the right rows
+        self.hidden_rows = 0
         self.tracker = target.tracker if target is not None else Tracker()
         self.delay = delay
         self.version_id = version
@@ -157,8 +182,13 @@ class FakeDrafter:
         self.gammas: list[int] = []
         self._busy = 0.0
 
-    def start(self, requests: list[NewRequest], first_tokens: list[list[int]]) -> None:
-        for r, first in zip(requests, first_tokens, strict=True):
+    def start(self, requests: list[NewRequest], first_tokens: list[list[int]], prompt_hidden=None) -> None:
+        assert (prompt_hidden is not None) == self.hidden
+        for i, (r, first) in enumerate(zip(requests, first_tokens, strict=True)):
+            if self.hidden:
+                want = FakeTarget.hidden_of([*r.prompt_token_ids[1:], *first])
+                assert torch.equal(prompt_hidden[i], want)
+                self.hidden_rows += len(want)
             self.running[r.request_id] = [*r.prompt_token_ids, *first]
             self.last_draft[r.request_id] = []
 
@@ -173,6 +203,11 @@ class FakeDrafter:
                 seq, last = self.running[item.request_id], self.last_draft[item.request_id]
                 # the commit must be the previous verify result of this very request
                 assert item.commit_tokens[: item.commit_accepted] == last[: item.commit_accepted]
+                if self.hidden and item.commit_tokens:
+                    assert torch.equal(item.commit_hidden, FakeTarget.hidden_of(item.commit_tokens))
+                    self.hidden_rows += len(item.commit_tokens)
+                else:
+                    assert item.commit_hidden is None
                 seq += item.commit_tokens
                 if self.target is not None:
                     assert seq == self.target.running[item.request_id], "drafter and target disagree"
@@ -194,7 +229,7 @@ class FakeDrafter:
             self.last_draft.pop(rid, None)
 
     def uses_target_hidden(self) -> bool:
-        return False
+        return self.hidden
 
     def version(self) -> str:
         return self.version_id

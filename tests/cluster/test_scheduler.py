@@ -68,6 +68,29 @@ def test_output_equals_target_only_with_and_without_speculation(fake_pair) -> No
     assert target.running == {} and drafter.running == {}
 
 
+def test_target_hidden_states_reach_a_drafter_that_reads_them(fake_pair) -> None:
+    """start and verify return hidden rows only for such a drafter, and each reaches it with its tokens."""
+    from fake_workers import FakeDrafter, FakeTarget
+
+    async def main():
+        target = FakeTarget()
+        drafter = FakeDrafter(target, hidden=True)
+        sched = scheduler([(target, drafter)])
+        await sched.start()
+        prompts = [[1, 2, 3], [10], [40, 41]]
+        reqs = [sched.generate(request(f"h{i}", p, 13)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*reqs)
+        await sched.stop()
+        return drafter, prompts, results
+
+    drafter, prompts, results = asyncio.run(main())
+    for prompt, (tokens, _) in zip(prompts, results, strict=True):
+        assert tokens == target_only(prompt, 13)
+    # every prompt row and every verified token's row (the last step's commit is never sent)
+    assert drafter.hidden_rows >= sum(len(p) for p in prompts)
+    assert sum(fin.stats.spec.accepted for _, fin in results) > 0
+
+
 def test_two_groups_draft_one_while_verifying_the_other(fake_pair) -> None:
     async def main():
         target, drafter = fake_pair(Tracker(wait_for_overlap=2.0))

@@ -38,7 +38,9 @@ def free_port() -> int:
 def drafter_kind(cache_dir: str | None) -> str:
     from workers.drafters.model import default_drafter_dir
 
-    return "model" if (default_drafter_dir(cache_dir) / "config.json").exists() else "ngram"
+    # the default model drafter reads the target's hidden states (bootstrap's second stage)
+    have = (default_drafter_dir(cache_dir, target_hidden=True) / "config.json").exists()
+    return "model" if have else "ngram"
 
 
 @pytest.fixture(scope="module")

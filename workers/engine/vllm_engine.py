@@ -77,7 +77,7 @@ def drafter_version(cfg) -> str:
     if cfg.drafter.kind == "ngram":
         return f"ngram-{cfg.drafter.min_ngram}-{cfg.drafter.max_ngram}"
     if cfg.drafter.kind == "model":
-        return read_drafter_version(resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir))
+        return read_drafter_version(resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, False))
     return cfg.drafter.kind
 
 
@@ -101,6 +101,8 @@ def proposer_settings(
     cfg, model_dir: str | Path, max_running: int, swap_file: str | None
 ) -> ProposerSettings:
     drafter = asdict(cfg.drafter)
+    # vLLM does not hand its hidden states to a proposer: by default it takes the token-only drafter.
+    drafter["target_hidden"] = False
     # Rows come and go (and idle ones linger until evicted): give the drafter room for two batches.
     drafter["max_slots"] = max(drafter["max_slots"], 2 * max_running)
     return ProposerSettings(

@@ -74,3 +74,19 @@ def boot_drafter_dir(real_target_dir) -> Path:
     if (quick / "specd_drafter.json").exists():
         return quick
     return bootstrap_drafter(BootstrapConfig.quick(target_dir=str(real_target_dir), out_dir=str(quick)))
+
+
+@pytest.fixture(scope="session")
+def boot_hidden_drafter_dir(real_target_dir, boot_drafter_dir) -> Path:
+    """The bootstrapped drafter that reads target hidden states (the default); else a quick one."""
+    from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_hidden_drafter
+    from workers.drafters.model import default_drafter_dir
+
+    if (default_drafter_dir(target_hidden=True) / "specd_drafter.json").exists():
+        return default_drafter_dir(target_hidden=True)
+    cfg = BootstrapConfig.quick(target_dir=str(real_target_dir), out_dir=str(boot_drafter_dir))
+    if (cfg.resolved_hidden_out_dir() / "specd_drafter.json").exists():
+        return cfg.resolved_hidden_out_dir()
+    if boot_drafter_dir == default_drafter_dir():
+        cfg = BootstrapConfig(target_dir=str(real_target_dir))  # the full preset's cached teacher data
+    return bootstrap_hidden_drafter(cfg, boot_drafter_dir)

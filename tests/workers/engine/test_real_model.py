@@ -74,11 +74,14 @@ def base(target, prompts):
     return [s.output for s in seqs]
 
 
-# 20 prompts x 128 tokens, twice: minutes on an idle 2-core machine, far more on a loaded one.
+# 20 prompts x 128 tokens, three times: minutes on an idle 2-core machine, far more on a loaded one.
 @pytest.mark.timeout(3000)
-@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
-def test_greedy_identical_on_real_prompts(target, prompts, base, boot_drafter_dir, drafter_kind):
-    cfg = load_config([f"drafter.path={boot_drafter_dir}", f"drafter.kind={drafter_kind}",
+@pytest.mark.parametrize("drafter_kind", ["model-hidden", "model", "ngram"])
+def test_greedy_identical_on_real_prompts(
+    target, prompts, base, boot_drafter_dir, boot_hidden_drafter_dir, drafter_kind
+):
+    path = boot_hidden_drafter_dir if drafter_kind == "model-hidden" else boot_drafter_dir
+    cfg = load_config([f"drafter.path={path}", f"drafter.kind={drafter_kind.split('-')[0]}",
                        "drafter.max_slots=10"])
     drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
     reqs = functools.partial(_requests, prompts)
