@@ -80,8 +80,8 @@ def target_states(runner, sequences: Sequence[TeacherSequence], batch: int = 8, 
 
 
 def input_features(states: torch.Tensor, staleness: torch.Tensor) -> torch.Tensor:
-    """Token p reads states[p - 1 - staleness[p]] (zeros before the first token): [L, H]."""
-    src = torch.arange(states.shape[0]) - 1 - staleness
+    """Token p reads states[p - 1 - staleness[p]] (zeros before the first token): [len(staleness), H]."""
+    src = torch.arange(staleness.shape[0]) - 1 - staleness
     feats = states[src.clamp(min=0)].clone()
     feats[src < 0] = 0.0
     return feats
