@@ -30,7 +30,8 @@ def parse(argv):
 
 def test_full_plan_is_the_issue_matrix():
     plan = resolve_plan(parse([]))
-    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 12
+    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 13
+    assert {"specd-chain", "specd-chain-tokens"} <= set(plan.systems)
     assert {"vllm", "vllm-ngram", "vllm-specd-chain", "vllm-specd-ngram"} <= set(plan.systems)
     assert plan.workloads == ["gsm8k", "humaneval"]
     assert (plan.batch_sizes, plan.temperatures) == ([1, 8], [0.0, 0.7])
@@ -71,12 +72,16 @@ def test_specd_overrides_fix_what_the_benchmark_needs():
     assert "drafter.kind=model" in specd_overrides(SYSTEMS["specd-tree"], job)
     assert not any(o.startswith("drafter.kind") for o in specd_overrides(SYSTEMS["target-only"], job))
     assert not any(o.startswith("target.backend") for o in specd_overrides(SYSTEMS["specd-chain"], job))
+    # the default model drafter reads target hidden states; specd-chain-tokens is the token-only one
+    assert "drafter.target_hidden=true" in specd_overrides(SYSTEMS["specd-chain"], job)
+    assert "drafter.target_hidden=false" in specd_overrides(SYSTEMS["specd-chain-tokens"], job)
 
 
 def test_vllm_specd_systems_select_the_vllm_backend_with_an_engine_wide_gamma():
     job = {"model_dir": "/m", "max_batch": 1, "max_seq_len": 512}
     chain = specd_overrides(SYSTEMS["vllm-specd-chain"], job)
     assert {"target.backend=vllm", "drafter.kind=model", "spec.gamma=4", "spec.policy=fixed"} <= set(chain)
+    assert "drafter.target_hidden=false" in chain  # vLLM does not hand its hidden states to a proposer
     assert "drafter.kind=ngram" in specd_overrides(SYSTEMS["vllm-specd-ngram"], job)
     assert SYSTEMS["vllm-specd-ngram"].speculative and SYSTEMS["vllm-specd-ngram"].backend == "vllm"
 
