@@ -94,7 +94,7 @@ class BootstrapConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> BootstrapConfig:
         """Small enough for CI on 2 CPU cores (a couple of minutes) and still a valid drafter."""
-        base = dict(num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0, hidden_epochs=2.0)
+        base = dict(num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0, hidden_epochs=8.0)
         return cls(**{**base, **overrides})
 
     def resolved_out_dir(self) -> Path:
@@ -465,11 +465,20 @@ def bootstrap_hidden_drafter(cfg: BootstrapConfig, base_dir: Path, td: TeacherDa
             f"written to {out_dir} ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
+    if after["greedy_match"] < before["greedy_match"]:
+        print(
+            f"[bootstrap] WARNING: the hidden-state drafter matches the target less often than the token "
+            f"drafter it started from ({after['greedy_match']:.1%} < {before['greedy_match']:.1%}): train "
+            "longer (--hidden-epochs) or serve the token drafter (drafter.target_hidden=false)",
+            flush=True,
+        )
     return out_dir
 
 
-def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specd bootstrap-drafter", description=__doc__.split("\n")[0])
+def build_arg_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specd bootstrap-drafter", description=__doc__.split("\n")[0], add_help=add_help
+    )
     p.add_argument("--quick", action="store_true", help="tiny preset for CI (a couple of minutes)")
     p.add_argument("--out", dest="out_dir", help="output drafter directory")
     p.add_argument("--target-dir", help="target model directory (default: the converted SmolLM2 cache)")
@@ -509,8 +518,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> BootstrapConfig:
-    args = vars(build_arg_parser().parse_args(argv))
-    quick = args.pop("quick")
+    return config_from_options(vars(build_arg_parser().parse_args(argv)))
+
+
+def config_from_options(args: dict[str, Any]) -> BootstrapConfig:
+    """BootstrapConfig from parsed options (unset ones are None); keys that are no field are ignored."""
+    args = dict(args)
+    quick = args.pop("quick", False)
     names = {f.name for f in dataclasses.fields(BootstrapConfig)}
     overrides = {k: v for k, v in args.items() if v is not None and k in names}
     return BootstrapConfig.quick(**overrides) if quick else BootstrapConfig(**overrides)

@@ -8,7 +8,7 @@ from drafter_trainer import bootstrap
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = bootstrap.config_from_args(args.options)
+    cfg = bootstrap.config_from_options(vars(args))
     out, hidden_out = cfg.resolved_out_dir(), cfg.resolved_hidden_out_dir()
     have = (out / "specd_drafter.json").exists()
     have_hidden = not cfg.target_hidden or (hidden_out / "specd_drafter.json").exists()
@@ -24,14 +24,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers) -> None:
-    own = bootstrap.build_arg_parser()
+    own = bootstrap.build_arg_parser(add_help=False)
     p = subparsers.add_parser(
         "bootstrap-drafter",
-        help="create the default drafter from the target (distilled on target-generated text)",
+        parents=[own],
+        help="create the default drafters from the target (distilled on target-generated text)",
         description=own.description,
-        epilog=own.format_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--if-missing", action="store_true", help="do nothing when the drafter already exists")
-    p.add_argument("options", nargs=argparse.REMAINDER, help="bootstrap options (see below)")
+    p.add_argument("--if-missing", action="store_true", help="do nothing when the drafters already exist")
     p.set_defaults(func=run)

@@ -93,7 +93,7 @@ def test_collate_marks_labels_and_draws_staleness_in_range():
     seqs, states = _copy_task(n_seqs=3)
     batch = collate_features(seqs, states, 4, 0.5, torch.Generator().manual_seed(0))
     assert batch.label_mask.sum() == sum(s.n_labels for s in seqs) == batch.topk_ids.shape[0]
-    assert 0 <= int(batch.staleness.min()) and int(batch.staleness.max()) <= 3
+    assert int(batch.staleness.min()) >= 0 and int(batch.staleness.max()) <= 3
     assert (batch.staleness > 0).any() and (batch.staleness == 0).any()
     fresh = collate_features(seqs, states, 4, 0.5, None)
     assert (fresh.staleness == 0).all()

@@ -1,0 +1,22 @@
+"""`specd bootstrap-drafter` parses its own options (they used to be swallowed by the top-level parser)."""
+
+from cluster.cli import build_parser
+from drafter_trainer.bootstrap import BootstrapConfig, config_from_options
+
+
+def test_options_reach_the_bootstrap_config():
+    args = build_parser().parse_args(
+        ["bootstrap-drafter", "--quick", "--out", "/x/d", "--hidden-epochs", "1.5", "--if-missing"]
+    )
+    assert args.if_missing
+    cfg = config_from_options(vars(args))
+    quick = BootstrapConfig.quick()
+    assert (cfg.num_prompts, cfg.max_new_tokens) == (quick.num_prompts, quick.max_new_tokens)
+    assert cfg.out_dir == "/x/d" and cfg.hidden_epochs == 1.5
+    assert str(cfg.resolved_hidden_out_dir()) == "/x/d-hidden"
+
+
+def test_defaults_and_skipping_the_second_stage():
+    cfg = config_from_options(vars(build_parser().parse_args(["bootstrap-drafter", "--no-target-hidden"])))
+    assert cfg == BootstrapConfig(target_hidden=False)
+    assert config_from_options(vars(build_parser().parse_args(["bootstrap-drafter"]))) == BootstrapConfig()
