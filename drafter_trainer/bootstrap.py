@@ -41,13 +41,12 @@ from safetensors import safe_open
 from drafter_trainer import data
 from drafter_trainer.distill import DrafterLM, TeacherSequence, evaluate, train_drafter
 from drafter_trainer.drafter_format import make_drafter_config, save_drafter
+from drafter_trainer.hidden_stage import bootstrap_hidden_drafter
 from drafter_trainer.teacher import (
     TEACHERS,
     Teacher,
     cache_root,
-    engine_generate_teacher,
-    hf_generate_teacher,
-    run_teacher_cached,
+    collect_teacher_data,
 )
 
 
@@ -175,103 +174,6 @@ def init_student(target_dir: Path, num_layers: int, draft_vocab_ids: torch.Tenso
 # ------------------------------------------------------------------------------------------- driver
 
 
-def resolve_target_dir(target_dir: str | None) -> Path:
-    """The target as a float32 safetensors HF directory (converted from the GGUF once, then cached)."""
-    from workers.models.loader import ensure_target_model  # lazy: conversion pulls in gguf/transformers
-
-    return Path(ensure_target_model(target_dir))
-
-
-@dataclass
-class TeacherData:
-    target_dir: Path
-    tokenizer: Any
-    vocab_size: int
-    eos_ids: list[int]
-    pad_id: int
-    train_ids: list[list[int]]
-    eval_ids: list[list[int]]
-    sequences: dict[str, list[TeacherSequence]]  # train-greedy, train-sampled, eval-greedy
-    cached_chunks: dict[str, int]
-
-    @property
-    def train(self) -> list[TeacherSequence]:
-        return self.sequences["train-greedy"] + self.sequences["train-sampled"]
-
-    @property
-    def eval(self) -> list[TeacherSequence]:
-        return self.sequences["eval-greedy"]
-
-
-def collect_teacher_data(cfg: BootstrapConfig, teacher: Teacher | None = None, lap=None) -> TeacherData:
-    """The target's continuations of the train and eval prompts (from the on-disk chunk cache when there)."""
-    from transformers import AutoModelForCausalLM
-
-    from workers.engine.runner import ModelRunner
-    from workers.models.loader import load_tokenizer
-
-    target_dir = resolve_target_dir(cfg.target_dir)
-    tokenizer = load_tokenizer(target_dir)
-    vocab_size = int(json.loads((target_dir / "config.json").read_text())["vocab_size"])
-    eos_ids = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")} - {None})
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-
-    train_prompts = data.load_prompts("train", cfg.sources, limit=cfg.num_prompts)
-    eval_prompts = data.load_prompts("eval", cfg.sources, limit=cfg.num_eval_prompts)
-    train_ids = [data.encode_chat(tokenizer, p) for p in train_prompts]
-    eval_ids = [data.encode_chat(tokenizer, p) for p in eval_prompts]
-    # Every 1/sample_fraction-th prompt (deterministic) is sampled, so the mix holds for any prefix.
-    n_sampled = round(len(train_ids) * cfg.sample_fraction)
-    sampled_rows = {round(j / cfg.sample_fraction) for j in range(n_sampled)} if n_sampled else set()
-    groups = [
-        ("train-greedy", [x for j, x in enumerate(train_ids) if j not in sampled_rows], 0.0),
-        ("train-sampled", [x for j, x in enumerate(train_ids) if j in sampled_rows], cfg.temperature),
-        ("eval-greedy", eval_ids, 0.0),
-    ]
-
-    target = None  # loaded on the first chunk that is not cached
-
-    def default_teacher(prompts: Sequence[list[int]], temperature: float, seed: int) -> list[TeacherSequence]:
-        nonlocal target
-        if cfg.teacher == "engine":
-            if target is None:
-                longest = max(len(p) for p in train_ids + eval_ids) + cfg.max_new_tokens
-                target = ModelRunner(
-                    target_dir, max_slots=cfg.gen_batch_size, num_threads=cfg.threads, max_seq_len=longest
-                )
-            return engine_generate_teacher(
-                target, prompts, temperature, cfg.max_new_tokens, cfg.top_k_logprobs, eos_ids, seed
-            )
-        if target is None:
-            target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-        torch.manual_seed(seed)
-        return hf_generate_teacher(
-            target,
-            prompts,
-            temperature,
-            cfg.max_new_tokens,
-            cfg.top_k_logprobs,
-            cfg.gen_batch_size,
-            eos_ids,
-            pad_id,
-            progress=False,  # run_teacher_cached shows progress per chunk
-        )
-
-    run_teacher = teacher or default_teacher
-    sequences: dict[str, list[TeacherSequence]] = {}
-    cached_chunks: dict[str, int] = {}
-    for name, prompts, temperature in groups:
-        sequences[name], cached_chunks[name] = run_teacher_cached(
-            cfg, target_dir, name, prompts, temperature, run_teacher
-        )
-        if lap is not None:
-            lap(f"teacher {name}")
-    target = None  # free the 538 MB target before training
-    return TeacherData(
-        target_dir, tokenizer, vocab_size, eos_ids, pad_id, train_ids, eval_ids, sequences, cached_chunks
-    )
-
-
 def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> Path:
     """Build the default drafter from the target and write it to cfg's output dir; returns that dir.
 
@@ -387,91 +289,6 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
         )
     if cfg.target_hidden:
         bootstrap_hidden_drafter(cfg, out_dir, td)
-    return out_dir
-
-
-def bootstrap_hidden_drafter(cfg: BootstrapConfig, base_dir: Path, td: TeacherData | None = None) -> Path:
-    """Second stage: the token drafter at base_dir, fine-tuned to read target hidden states (same data)."""
-    from drafter_trainer.drafter_format import load_drafter
-    from drafter_trainer.hidden_stage import (
-        HiddenDrafterLM,
-        fresh_greedy_match,
-        simulate_chain,
-        target_states,
-        train_hidden_drafter,
-    )
-    from workers.engine.runner import ModelRunner
-
-    torch.set_num_threads(cfg.threads)
-    t0 = time.perf_counter()
-    td = td or collect_teacher_data(cfg)
-    train_seqs, eval_seqs = td.train, td.eval
-    longest = max(int(s.token_ids.numel()) for s in train_seqs + eval_seqs)
-    runner = ModelRunner(td.target_dir, max_slots=8, num_threads=cfg.threads, max_seq_len=longest)
-    states = target_states(runner, train_seqs + eval_seqs, progress=cfg.progress)
-    del runner
-    train_states, eval_states = states[: len(train_seqs)], states[len(train_seqs) :]
-    t_states = time.perf_counter() - t0
-
-    base_state, base_config, base_meta = load_drafter(base_dir)
-    if any(name.startswith("model.feature_") for name in base_state):
-        raise ValueError(f"{base_dir} already reads target hidden states: give the token drafter")
-    base = DrafterLM.from_state_dict(base_config, base_state)
-    base.freeze_embeddings()
-    model = HiddenDrafterLM(base, cfg.hidden_staleness)
-    before = {"greedy_match": round(fresh_greedy_match(model, eval_seqs, eval_states), 4),
-              "chain_gamma4": simulate_chain(model, eval_seqs, eval_states)}
-    steps = max(1, round(cfg.hidden_epochs * len(train_seqs) / cfg.batch_size))
-    t1 = time.perf_counter()
-    losses = train_hidden_drafter(
-        model, train_seqs, train_states, steps, cfg.batch_size, cfg.hidden_lr, cfg.hidden_fresh_fraction,
-        cfg.seed, cfg.progress,
-    )
-    t_train = time.perf_counter() - t1
-    after = {"greedy_match": round(fresh_greedy_match(model, eval_seqs, eval_states), 4),
-             "chain_gamma4": simulate_chain(model, eval_seqs, eval_states)}
-    tail = losses[-max(1, len(losses) // 10) :]
-    meta = {
-        "parent_version": base_meta.get("version"),
-        "target": td.target_dir.name,
-        "train": {
-            **base_meta.get("train", {}),
-            "recipe": "token drafter + proj(target hidden state) + staleness embedding, top-k forward KL",
-            "hidden_stage": {
-                "steps": steps,
-                "lr": cfg.hidden_lr,
-                "staleness": cfg.hidden_staleness,
-                "fresh_fraction": cfg.hidden_fresh_fraction,
-                "final_train_loss": round(sum(tail) / len(tail), 4),
-                "eval_before": before,
-                "eval_after": after,
-                "timings_s": {"target_states": round(t_states, 1), "distill": round(t_train, 1)},
-            },
-            "greedy_match_after": after["greedy_match"],
-        },
-    }
-    out_dir = save_drafter(
-        cfg.resolved_hidden_out_dir(), model.state_dict(), model.config, meta,
-        tokenizer_dir=td.target_dir, version_prefix="boot-hidden",
-    )
-    if cfg.progress:
-        b, a = before["chain_gamma4"], after["chain_gamma4"]
-        print(
-            f"[bootstrap] hidden stage: greedy match {before['greedy_match']:.1%} -> "
-            f"{after['greedy_match']:.1%}; "
-            f"replayed greedy chain (γ=4) α {b['acceptance_rate']:.3f} -> {a['acceptance_rate']:.3f}, "
-            f"MAL {b['mean_accepted_length']:.2f} -> {a['mean_accepted_length']:.2f}\n"
-            f"[bootstrap] drafter {json.loads((out_dir / 'specd_drafter.json').read_text())['version']} "
-            f"written to {out_dir} ({time.perf_counter() - t0:.0f} s)",
-            flush=True,
-        )
-    if after["greedy_match"] < before["greedy_match"]:
-        print(
-            f"[bootstrap] WARNING: the hidden-state drafter matches the target less often than the token "
-            f"drafter it started from ({after['greedy_match']:.1%} < {before['greedy_match']:.1%}): train "
-            "longer (--hidden-epochs) or serve the token drafter (drafter.target_hidden=false)",
-            flush=True,
-        )
     return out_dir
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from drafter_trainer import bootstrap
+from drafter_trainer.hidden_stage import bootstrap_hidden_drafter
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.if_missing and have:
         print(f"[bootstrap] drafter at {out}; building only the second stage at {hidden_out}")
-        bootstrap.bootstrap_hidden_drafter(cfg, out)
+        bootstrap_hidden_drafter(cfg, out)
         return 0
     bootstrap.bootstrap_drafter(cfg)
     return 0

@@ -14,15 +14,21 @@ numbers serving feeds the drafter.
 
 from __future__ import annotations
 
+import json
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from drafter_trainer.distill import DrafterLM, TeacherSequence, greedy_matches, topk_forward_kl, warmup_cosine
+from drafter_trainer.drafter_format import load_drafter, save_drafter
+from drafter_trainer.teacher import TeacherData, collect_teacher_data
 
 
 class HiddenDrafterLM(nn.Module):
@@ -216,3 +222,84 @@ def simulate_chain(model, sequences, states, gamma: int = 4, stride: int = 3) ->
         "acceptance_rate": round(mean / gamma, 4),
         "mean_accepted_length": round(mean + 1, 4),
     }
+
+
+# ------------------------------------------------------------------------------------------- driver
+
+
+def bootstrap_hidden_drafter(cfg: Any, base_dir: Path, td: TeacherData | None = None) -> Path:
+    """Second stage: the token drafter at base_dir (a BootstrapConfig's first stage), fine-tuned to read
+    target hidden states on the same data; written to cfg.resolved_hidden_out_dir()."""
+    from workers.engine.runner import ModelRunner
+
+    torch.set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    td = td or collect_teacher_data(cfg)
+    train_seqs, eval_seqs = td.train, td.eval
+    longest = max(int(s.token_ids.numel()) for s in train_seqs + eval_seqs)
+    runner = ModelRunner(td.target_dir, max_slots=8, num_threads=cfg.threads, max_seq_len=longest)
+    states = target_states(runner, train_seqs + eval_seqs, progress=cfg.progress)
+    del runner
+    train_states, eval_states = states[: len(train_seqs)], states[len(train_seqs) :]
+    t_states = time.perf_counter() - t0
+
+    base_state, base_config, base_meta = load_drafter(base_dir)
+    if any(name.startswith("model.feature_") for name in base_state):
+        raise ValueError(f"{base_dir} already reads target hidden states: give the token drafter")
+    base = DrafterLM.from_state_dict(base_config, base_state)
+    base.freeze_embeddings()
+    model = HiddenDrafterLM(base, cfg.hidden_staleness)
+    before = {"greedy_match": round(fresh_greedy_match(model, eval_seqs, eval_states), 4),
+              "chain_gamma4": simulate_chain(model, eval_seqs, eval_states)}
+    steps = max(1, round(cfg.hidden_epochs * len(train_seqs) / cfg.batch_size))
+    t1 = time.perf_counter()
+    losses = train_hidden_drafter(
+        model, train_seqs, train_states, steps, cfg.batch_size, cfg.hidden_lr, cfg.hidden_fresh_fraction,
+        cfg.seed, cfg.progress,
+    )
+    t_train = time.perf_counter() - t1
+    after = {"greedy_match": round(fresh_greedy_match(model, eval_seqs, eval_states), 4),
+             "chain_gamma4": simulate_chain(model, eval_seqs, eval_states)}
+    tail = losses[-max(1, len(losses) // 10) :]
+    meta = {
+        "parent_version": base_meta.get("version"),
+        "target": td.target_dir.name,
+        "train": {
+            **base_meta.get("train", {}),
+            "recipe": "token drafter + proj(target hidden state) + staleness embedding, top-k forward KL",
+            "hidden_stage": {
+                "steps": steps,
+                "lr": cfg.hidden_lr,
+                "staleness": cfg.hidden_staleness,
+                "fresh_fraction": cfg.hidden_fresh_fraction,
+                "final_train_loss": round(sum(tail) / len(tail), 4),
+                "eval_before": before,
+                "eval_after": after,
+                "timings_s": {"target_states": round(t_states, 1), "distill": round(t_train, 1)},
+            },
+            "greedy_match_after": after["greedy_match"],
+        },
+    }
+    out_dir = save_drafter(
+        cfg.resolved_hidden_out_dir(), model.state_dict(), model.config, meta,
+        tokenizer_dir=td.target_dir, version_prefix="boot-hidden",
+    )
+    if cfg.progress:
+        b, a = before["chain_gamma4"], after["chain_gamma4"]
+        print(
+            f"[bootstrap] hidden stage: greedy match {before['greedy_match']:.1%} -> "
+            f"{after['greedy_match']:.1%}; "
+            f"replayed greedy chain (γ=4) α {b['acceptance_rate']:.3f} -> {a['acceptance_rate']:.3f}, "
+            f"MAL {b['mean_accepted_length']:.2f} -> {a['mean_accepted_length']:.2f}\n"
+            f"[bootstrap] drafter {json.loads((out_dir / 'specd_drafter.json').read_text())['version']} "
+            f"written to {out_dir} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    if after["greedy_match"] < before["greedy_match"]:
+        print(
+            f"[bootstrap] WARNING: the hidden-state drafter matches the target less often than the token "
+            f"drafter it started from ({after['greedy_match']:.1%} < {before['greedy_match']:.1%}): train "
+            "longer (--hidden-epochs) or serve the token drafter (drafter.target_hidden=false)",
+            flush=True,
+        )
+    return out_dir

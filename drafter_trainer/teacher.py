@@ -21,6 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from drafter_trainer import data
 from drafter_trainer.distill import TeacherSequence
 
 _Gen = torch.Generator | None
@@ -253,3 +255,103 @@ def run_teacher_cached(
         bar.set_postfix(new_tok_s=f"{generated / (time.perf_counter() - t0):.1f}", cached=cached)
     bar.close()
     return sequences, cached
+
+
+# ------------------------------------------------------------------------ the bootstrap's data
+
+
+def resolve_target_dir(target_dir: str | None) -> Path:
+    """The target as a float32 safetensors HF directory (converted from the GGUF once, then cached)."""
+    from workers.models.loader import ensure_target_model  # lazy: conversion pulls in gguf/transformers
+
+    return Path(ensure_target_model(target_dir))
+
+
+@dataclass
+class TeacherData:
+    target_dir: Path
+    tokenizer: Any
+    vocab_size: int
+    eos_ids: list[int]
+    pad_id: int
+    train_ids: list[list[int]]
+    eval_ids: list[list[int]]
+    sequences: dict[str, list[TeacherSequence]]  # train-greedy, train-sampled, eval-greedy
+    cached_chunks: dict[str, int]
+
+    @property
+    def train(self) -> list[TeacherSequence]:
+        return self.sequences["train-greedy"] + self.sequences["train-sampled"]
+
+    @property
+    def eval(self) -> list[TeacherSequence]:
+        return self.sequences["eval-greedy"]
+
+
+def collect_teacher_data(cfg: Any, teacher: Teacher | None = None, lap=None) -> TeacherData:
+    """The target's continuations of a BootstrapConfig's train and eval prompts (cached chunks reused)."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.engine.runner import ModelRunner
+    from workers.models.loader import load_tokenizer
+
+    target_dir = resolve_target_dir(cfg.target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    vocab_size = int(json.loads((target_dir / "config.json").read_text())["vocab_size"])
+    eos_ids = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")} - {None})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+
+    train_prompts = data.load_prompts("train", cfg.sources, limit=cfg.num_prompts)
+    eval_prompts = data.load_prompts("eval", cfg.sources, limit=cfg.num_eval_prompts)
+    train_ids = [data.encode_chat(tokenizer, p) for p in train_prompts]
+    eval_ids = [data.encode_chat(tokenizer, p) for p in eval_prompts]
+    # Every 1/sample_fraction-th prompt (deterministic) is sampled, so the mix holds for any prefix.
+    n_sampled = round(len(train_ids) * cfg.sample_fraction)
+    sampled_rows = {round(j / cfg.sample_fraction) for j in range(n_sampled)} if n_sampled else set()
+    groups = [
+        ("train-greedy", [x for j, x in enumerate(train_ids) if j not in sampled_rows], 0.0),
+        ("train-sampled", [x for j, x in enumerate(train_ids) if j in sampled_rows], cfg.temperature),
+        ("eval-greedy", eval_ids, 0.0),
+    ]
+
+    target = None  # loaded on the first chunk that is not cached
+
+    def default_teacher(prompts: Sequence[list[int]], temperature: float, seed: int) -> list[TeacherSequence]:
+        nonlocal target
+        if cfg.teacher == "engine":
+            if target is None:
+                longest = max(len(p) for p in train_ids + eval_ids) + cfg.max_new_tokens
+                target = ModelRunner(
+                    target_dir, max_slots=cfg.gen_batch_size, num_threads=cfg.threads, max_seq_len=longest
+                )
+            return engine_generate_teacher(
+                target, prompts, temperature, cfg.max_new_tokens, cfg.top_k_logprobs, eos_ids, seed
+            )
+        if target is None:
+            target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        torch.manual_seed(seed)
+        return hf_generate_teacher(
+            target,
+            prompts,
+            temperature,
+            cfg.max_new_tokens,
+            cfg.top_k_logprobs,
+            cfg.gen_batch_size,
+            eos_ids,
+            pad_id,
+            progress=False,  # run_teacher_cached shows progress per chunk
+        )
+
+    run_teacher = teacher or default_teacher
+    sequences: dict[str, list[TeacherSequence]] = {}
+    cached_chunks: dict[str, int] = {}
+    for name, prompts, temperature in groups:
+        sequences[name], cached_chunks[name] = run_teacher_cached(
+            cfg, target_dir, name, prompts, temperature, run_teacher
+        )
+        if lap is not None:
+            lap(f"teacher {name}")
+    target = None  # free the 538 MB target before training
+    return TeacherData(
+        target_dir, tokenizer, vocab_size, eos_ids, pad_id, train_ids, eval_ids, sequences, cached_chunks
+    )

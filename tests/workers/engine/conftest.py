@@ -79,7 +79,8 @@ def boot_drafter_dir(real_target_dir) -> Path:
 @pytest.fixture(scope="session")
 def boot_hidden_drafter_dir(real_target_dir, boot_drafter_dir) -> Path:
     """The bootstrapped drafter that reads target hidden states (the default); else a quick one."""
-    from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_hidden_drafter
+    from drafter_trainer.bootstrap import BootstrapConfig
+    from drafter_trainer.hidden_stage import bootstrap_hidden_drafter
     from workers.drafters.model import default_drafter_dir
 
     if (default_drafter_dir(target_hidden=True) / "specd_drafter.json").exists():
