@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_configs import TARGET_CONFIG
 
 from drafter_trainer.distill import (
     DrafterLM,
@@ -17,18 +18,11 @@ from drafter_trainer.distill import (
     train_drafter,
 )
 
+# The shared tiny target, cut to a 2-layer drafter config with its own (untied) head and 32 tokens.
 TINY = {
-    "model_type": "llama",
+    **{k: v for k, v in TARGET_CONFIG.items() if k not in ("architectures", "quantization_config")},
     "vocab_size": 32,
-    "hidden_size": 16,
-    "intermediate_size": 32,
     "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 64,
-    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
     "tie_word_embeddings": False,
 }
 

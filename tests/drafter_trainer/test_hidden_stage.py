@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_configs import TARGET_CONFIG
 
 from drafter_trainer.distill import DrafterLM, TeacherSequence
 from drafter_trainer.drafter_format import make_drafter_config, save_drafter
@@ -14,21 +15,6 @@ from drafter_trainer.hidden_stage import (
     train_hidden_drafter,
 )
 
-TARGET_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 40,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 8,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 64,
-    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-    "tie_word_embeddings": True,
-}
 HEAD_IDS = torch.arange(0, 40, 2)  # even tokens only
 
 
