@@ -28,7 +28,7 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    kind: str = "model"                 # key of workers.drafters.registry.DRAFTERS ("model", "ngram")
+    kind: str = "model"                 # key of workers.drafters.registry.DRAFTERS: model, ngram, hybrid
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
     # With path None: the bootstrapped drafter that reads the target's hidden states (boot-hidden), or,
     # when False, the token-only one (boot-default). The vLLM backend always takes the token-only one:
@@ -43,6 +43,7 @@ class DrafterConfig:
     max_slots: int = 16
     min_ngram: int = 1
     max_ngram: int = 4
+    hybrid_min_match: int = 3           # kind=hybrid: copy (n-gram) when >= this many tokens match
 
 
 @dataclass

@@ -97,23 +97,27 @@ class NGramDrafter(Drafter):
 
     def lookup(self, request_id: str, gamma: int) -> list[int]:
         """Up to gamma tokens following the most recent earlier occurrence of the longest matching suffix."""
+        return self.lookup_matched(request_id, gamma)[0]
+
+    def lookup_matched(self, request_id: str, gamma: int) -> tuple[list[int], int]:
+        """lookup() and the length of the suffix that matched (0: no match, no draft)."""
         context = self._get(request_id)
         tokens = context.tokens
         length = len(tokens)
         if gamma <= 0:
-            return []
-        start = None
+            return [], 0
+        start, n = None, 0
         for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
             start = context.index.get(tuple(tokens[length - n:]))
             if start is not None:
                 break
         if start is None:
-            return []
+            return [], 0
         draft: list[int] = []
         for k in range(gamma):
             position = start + k  # in context + draft; start < length, so position - length < k
             draft.append(tokens[position] if position < length else draft[position - length])
-        return draft
+        return draft, n
 
     def _get(self, request_id: str) -> _Context:
         try:
