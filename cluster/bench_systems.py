@@ -8,6 +8,8 @@ A system is one way of generating the same tokens from the same prompts with the
     vllm-ngram       vLLM with its own n-gram (prompt lookup) speculation
     specd-chain      model drafter (the default one, reading the target's hidden states), γ = 4 fixed
     specd-chain-tokens  the token-only model drafter (bootstrap's first stage), γ = 4 fixed
+    specd-hybrid     n-gram copy where >= 2 tokens of the context repeat, the default model drafter
+                     elsewhere (drafter.kind=hybrid), γ = 4 fixed
     specd-tree       model drafter, token tree of width 3 and depth 4
     specd-ngram      n-gram drafter (drafter.kind=ngram), γ = 4 fixed
     specd-egag       model drafter, entropy-guided γ up to 8
@@ -52,7 +54,7 @@ class System:
 
     @property
     def needs_model_drafter(self) -> bool:
-        return self.drafter_kind == "model"
+        return self.drafter_kind in ("model", "hybrid")
 
     @property
     def runner(self) -> str:
@@ -73,6 +75,8 @@ SYSTEMS: dict[str, System] = {
                spec_enabled=True, drafter_kind="model"),
         System("specd-chain-tokens", "specd", "token-only model drafter, chain, γ=4 fixed",
                spec_enabled=True, drafter_kind="model", target_hidden=False),
+        System("specd-hybrid", "specd", "n-gram copy, else model drafter, γ=4 fixed",
+               spec_enabled=True, drafter_kind="hybrid"),
         System("specd-tree", "specd", "model drafter, tree width 3 depth 4",
                tree_width=3, spec_enabled=True, drafter_kind="model"),
         System("specd-ngram", "specd", "n-gram drafter, γ=4 fixed",
@@ -105,7 +109,7 @@ def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
     ]
     if system.drafter_kind is not None:
         out.append(f"drafter.kind={system.drafter_kind}")
-    if system.drafter_kind == "model":
+    if system.drafter_kind in ("model", "hybrid"):
         out.append(f"drafter.target_hidden={str(system.target_hidden).lower()}")
     if system.backend == "vllm":
         # vLLM's proposer takes no per-request settings: γ budget and policy are the engine's.

@@ -43,7 +43,7 @@ class DrafterConfig:
     max_slots: int = 16
     min_ngram: int = 1
     max_ngram: int = 4
-    hybrid_min_match: int = 3           # kind=hybrid: copy (n-gram) when >= this many tokens match
+    hybrid_min_match: int = 2           # kind=hybrid: copy (n-gram) when >= this many tokens match
 
 
 @dataclass

@@ -30,7 +30,7 @@ def parse(argv):
 
 def test_full_plan_is_the_issue_matrix():
     plan = resolve_plan(parse([]))
-    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 13
+    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 14
     assert {"specd-chain", "specd-chain-tokens"} <= set(plan.systems)
     assert {"vllm", "vllm-ngram", "vllm-specd-chain", "vllm-specd-ngram"} <= set(plan.systems)
     assert plan.workloads == ["gsm8k", "humaneval"]
@@ -75,6 +75,7 @@ def test_specd_overrides_fix_what_the_benchmark_needs():
     # the default model drafter reads target hidden states; specd-chain-tokens is the token-only one
     assert "drafter.target_hidden=true" in specd_overrides(SYSTEMS["specd-chain"], job)
     assert "drafter.target_hidden=false" in specd_overrides(SYSTEMS["specd-chain-tokens"], job)
+    assert "drafter.kind=hybrid" in specd_overrides(SYSTEMS["specd-hybrid"], job)
 
 
 def test_vllm_specd_systems_select_the_vllm_backend_with_an_engine_wide_gamma():

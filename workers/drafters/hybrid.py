@@ -21,7 +21,7 @@ from workers.drafters.registry import register_drafter
 
 @register_drafter("hybrid")
 class HybridDrafter(Drafter):
-    def __init__(self, model: ModelDrafter, ngram: NGramDrafter, min_match: int = 3):
+    def __init__(self, model: ModelDrafter, ngram: NGramDrafter, min_match: int = 2):
         self.model, self.ngram, self.min_match = model, ngram, min_match
         self.uses_target_hidden = model.uses_target_hidden
         self.version = f"{model.version}+{ngram.version}"
