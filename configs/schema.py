@@ -38,6 +38,9 @@ class DrafterConfig:
     # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token (measured here:
     # 2.85 -> 1.95 ms per drafted token). Verification stays exact whatever its precision.
     dtype: str = "bfloat16"
+    # CPU matmul weights: "onednn" pre-packed floats, "int8" weight-only int8 rows (a quarter of the
+    # bytes; drafts change slightly, verification keeps the output exact), or "none".
+    pack: str = "onednn"
     num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
     num_cpus: float = 1.0
     max_slots: int = 16

@@ -81,11 +81,12 @@ class ModelDrafter(Drafter):
         max_seq_len: int = 2048,
         seed: int = 0,
         num_threads: int | None = None,
+        pack: str = "onednn",
     ):
         self.path = Path(path)
         self.runner = ModelRunner(
             self.path, device=device, dtype=dtype, max_slots=max_slots, max_seq_len=max_seq_len,
-            num_threads=num_threads, full_vocab=False,
+            num_threads=num_threads, full_vocab=False, pack_weights=pack,
         )
         self.full_vocab_size = self.runner.model.cfg.vocab_size
         self.vocab_ids = self.runner.vocab_ids          # [V_sub] target ids, or None for a full head
@@ -104,6 +105,7 @@ class ModelDrafter(Drafter):
             max_slots=cfg.max_slots,
             max_seq_len=getattr(cfg, "max_seq_len", 2048),
             seed=seed,
+            pack=getattr(cfg, "pack", "onednn"),
         )
 
     def max_slots(self) -> int:

@@ -27,13 +27,14 @@ class ModelRunner:
         num_threads: int | None = None,
         prefill_chunk: int = 512,
         full_vocab: bool = True,
-        pack_weights: bool = True,
+        pack_weights: bool | str = True,
     ):
         """prefill_chunk: prompt tokens per forward in `prefill` (bounds activation memory).
         full_vocab: for a reduced-vocabulary drafter, False returns [.., V_sub] logits in the
         order of `vocab_ids` (cheaper) instead of scattering them into the full vocabulary.
-        pack_weights: oneDNN pre-packed matmul weights on CPU (measured 1.3-2x faster forwards here,
-        at the price of a second copy of the matmul weights in memory).
+        pack_weights: True / "onednn": oneDNN pre-packed matmul weights on CPU (measured 1.3-2x faster
+        forwards here, at the price of a second copy of the matmul weights in memory); "int8":
+        weight-only int8 (drafters only: it changes the outputs slightly); False / "none": plain.
         compile: torch.compile the forward. Measured on SmolLM2 here: 4-7 minutes of compilation per
         graph and forwards 5x slower than eager with packed weights, so it is off by default.
         """
@@ -41,7 +42,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)
         # Inductor cannot trace oneDNN's opaque packed weights: compile works on the plain ones.
-        pack = pack_weights and not compile
+        pack = "none" if compile else pack_weights
         self.model = Llama.from_pretrained(model_dir, self.device, dtype, max_seq_len=max_seq_len, pack=pack)
         self.cache: KVCache = self.model.make_cache(max_slots, max_seq_len)
         self.prefill_chunk = prefill_chunk

@@ -29,22 +29,40 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and supported
 
 
+PACK_MODES = ("none", "onednn", "int8")
+
+
 class Linear(nn.Module):
     """y = x @ weight.T without bias. `weight` stays the source of truth (loading, hot swap);
-    `pack()` adds a oneDNN-blocked copy that forward then uses."""
+    `pack(mode)` adds a copy that forward then uses: "onednn" a oneDNN-blocked float copy, "int8"
+    int8 rows with one float scale each (weight-only: activations stay float, as in gpt-fast's int8
+    mode). int8 reads a quarter of the bytes, which is what a one-token forward waits for here; it
+    changes the outputs slightly, so it is for drafters only, whose every token the target verifies."""
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.packed: torch.Tensor | None = None
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None   # ([out, in] int8, [out] scales)
 
     @torch.no_grad()
-    def pack(self, enabled: bool = True) -> None:
-        self.packed = None
-        if enabled:
+    def pack(self, mode: str = "onednn") -> None:
+        if mode not in PACK_MODES:
+            raise ValueError(f"unknown weight packing {mode!r}; choose from {PACK_MODES}")
+        self.packed = self.int8 = None
+        if mode == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
+        elif mode == "int8":
+            w = self.weight.float()
+            scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            self.int8 = (q.contiguous(), scales.to(self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            q, scales = self.int8
+            y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scales)  # [rows, out]
+            return y.reshape(*x.shape[:-1], q.shape[0])
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)

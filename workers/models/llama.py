@@ -71,7 +71,7 @@ class Llama(nn.Module):
         max_pos = max_seq_len or cfg.max_position_embeddings
         # A plain attribute, not a buffer: Module.to(dtype) would cast a complex buffer to real.
         self.rope = rope_table(cfg.head_dim, cfg.rope_theta, max_pos)  # [max_pos, d/2] complex64
-        self.packed = False
+        self.packed = "none"
 
     @property
     def head_size(self) -> int:
@@ -85,16 +85,21 @@ class Llama(nn.Module):
         shape = (cfg.num_layers, num_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
         return KVCache(*shape, w.dtype, w.device)
 
-    def pack_weights(self, enabled: bool = True) -> None:
-        """Use oneDNN pre-packed weights for every matmul (CPU, float32/bfloat16); re-pack after loads.
+    def pack_weights(self, mode: bool | str = True) -> None:
+        """Pack every matmul weight (see layers.Linear.pack); re-packed after loads.
 
-        Costs a second copy of the matmul weights in memory.
+        True / "onednn": oneDNN pre-packed float weights (CPU, float32/bfloat16; elsewhere plain).
+        "int8": weight-only int8 rows (CPU). Either costs a second copy of the matmul weights in memory.
         """
-        enabled = enabled and can_pack(self.embed_tokens.device, self.embed_tokens.dtype)
+        mode = {True: "onednn", False: "none"}.get(mode, mode)
+        if mode == "onednn" and not can_pack(self.embed_tokens.device, self.embed_tokens.dtype):
+            mode = "none"
+        if mode == "int8" and self.embed_tokens.device.type != "cpu":
+            raise ValueError("int8 weights are a CPU option here (on CUDA, serve the drafter in bfloat16)")
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(enabled)
-        self.packed = enabled
+                module.pack(mode)
+        self.packed = mode
 
     # ---- forward ----------------------------------------------------------------------------
 
@@ -238,8 +243,8 @@ class Llama(nn.Module):
             missing = self._expected_hf_names() - covered
             if missing:
                 raise KeyError(f"missing tensors: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
-        if self.packed:
-            self.pack_weights()
+        if self.packed != "none":
+            self.pack_weights(self.packed)
 
     def _expected_hf_names(self) -> set[str]:
         names = {"model.embed_tokens.weight", "model.norm.weight"}
@@ -265,11 +270,11 @@ class Llama(nn.Module):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         max_seq_len: int | None = None,
-        pack: bool = False,
+        pack: bool | str = False,
     ) -> Llama:
         """Build from a Hugging Face Llama directory (config.json + *.safetensors).
 
-        pack: use oneDNN pre-packed matmul weights (see pack_weights).
+        pack: pack the matmul weights: True / "onednn" or "int8" (see pack_weights).
         """
         model_dir = Path(model_dir)
         cfg = LlamaConfig.from_dir(model_dir)
@@ -289,7 +294,7 @@ class Llama(nn.Module):
         model.load_hf_tensors(iter_safetensors(files))
         model.eval().requires_grad_(False)
         if pack:
-            model.pack_weights()
+            model.pack_weights(pack)
         return model
 
 

@@ -256,3 +256,24 @@ def test_bfloat16_runs_close_to_float32(tiny_llama_dir):
         out = _extend(model, cache, cache.allocate(), ids)
         assert out.dtype == torch.bfloat16
         assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weights_run_close_and_survive_a_hot_swap(tiny_llama_dir, make_tiny_llama, tmp_path, dtype):
+    ids = [4, 8, 15, 16, 23, 42]
+    ref_model = Llama.from_pretrained(tiny_llama_dir)
+    ref_cache = _fresh(ref_model)
+    ref = _extend(ref_model, ref_cache, ref_cache.allocate(), ids)
+    model = Llama.from_pretrained(tiny_llama_dir, dtype=dtype, pack="int8")
+    assert model.packed == "int8" and model.layers[0].mlp.w_gate_up.int8[0].dtype == torch.int8
+    cache = _fresh(model)
+    out = _extend(model, cache, cache.allocate(), ids)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert (out.float() - ref).abs().max() < 0.1 * ref.abs().max()
+    # a hot swap re-quantizes the new weights
+    other = make_tiny_llama(tmp_path / "other", seed=1)
+    model.load_hf_tensors(load_file(str(other / "model.safetensors")).items())
+    want = Llama.from_pretrained(other, dtype=dtype, pack="int8")
+    assert torch.equal(model.layers[0].mlp.w_gate_up.int8[0], want.layers[0].mlp.w_gate_up.int8[0])
+    with pytest.raises(ValueError, match="packing"):
+        model.pack_weights("int4")
