@@ -39,7 +39,7 @@ class System:
     name: str
     kind: str                                   # "specd" | "transformers" | "vllm"
     description: str
-    gamma: int = 4                              # specd: per-request γ budget (tree: depth)
+    gamma: int = 3                              # specd: per-request γ budget (tree: depth)
     policy: str = "fixed"                       # specd: γ policy
     tree_width: int = 1                         # specd: 1 = chain
     spec_enabled: bool = False                  # specd: False = target-only decoding
@@ -71,15 +71,15 @@ SYSTEMS: dict[str, System] = {
         System("vllm", "vllm", "vLLM autoregressive"),
         System("vllm-ngram", "vllm", "vLLM + its ngram speculation (k=4, lookup 2..4)",
                vllm_speculative=VLLM_NGRAM),
-        System("specd-chain", "specd", "model drafter, chain, γ=4 fixed",
+        System("specd-chain", "specd", "model drafter, chain, γ=3 fixed",
                spec_enabled=True, drafter_kind="model"),
-        System("specd-chain-tokens", "specd", "token-only model drafter, chain, γ=4 fixed",
+        System("specd-chain-tokens", "specd", "token-only model drafter, chain, γ=3 fixed",
                spec_enabled=True, drafter_kind="model", target_hidden=False),
-        System("specd-hybrid", "specd", "n-gram copy, else model drafter, γ=4 fixed",
+        System("specd-hybrid", "specd", "n-gram copy, else model drafter, γ=3 fixed",
                spec_enabled=True, drafter_kind="hybrid"),
         System("specd-tree", "specd", "model drafter, tree width 3 depth 4",
                tree_width=3, spec_enabled=True, drafter_kind="model"),
-        System("specd-ngram", "specd", "n-gram drafter, γ=4 fixed",
+        System("specd-ngram", "specd", "n-gram drafter, γ=3 fixed",
                spec_enabled=True, drafter_kind="ngram"),
         System("specd-egag", "specd", "model drafter, EGAG γ≤8",
                gamma=8, policy="egag", spec_enabled=True, drafter_kind="model"),
@@ -87,9 +87,9 @@ SYSTEMS: dict[str, System] = {
                gamma=8, policy="confidence", spec_enabled=True, drafter_kind="model"),
         System("specd-adaptive", "specd", "model drafter, adaptive γ≤8",
                gamma=8, policy="adaptive", spec_enabled=True, drafter_kind="model"),
-        System("vllm-specd-chain", "specd", "vLLM target + specd token-only model drafter, γ=4 fixed",
+        System("vllm-specd-chain", "specd", "vLLM target + specd token-only model drafter, γ=3 fixed",
                spec_enabled=True, drafter_kind="model", backend="vllm", target_hidden=False),
-        System("vllm-specd-ngram", "specd", "vLLM target + specd n-gram drafter, γ=4 fixed",
+        System("vllm-specd-ngram", "specd", "vLLM target + specd n-gram drafter, γ=3 fixed",
                spec_enabled=True, drafter_kind="ngram", backend="vllm"),
     )
 }

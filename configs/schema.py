@@ -38,9 +38,12 @@ class DrafterConfig:
     # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token (measured here:
     # 2.85 -> 1.95 ms per drafted token). Verification stays exact whatever its precision.
     dtype: str = "bfloat16"
-    # CPU matmul weights: "onednn" pre-packed floats, "int8" weight-only int8 rows (a quarter of the
-    # bytes; drafts change slightly, verification keeps the output exact), or "none".
-    pack: str = "onednn"
+    # CPU matmul weights: "int8" weight-only int8 rows, "onednn" pre-packed floats, or "none" (plain,
+    # which is what a GPU gets whatever this says). int8 reads a quarter of the bytes of float32 per
+    # drafted token; measured here (GSM8K, batch 1, greedy, γ=3, 16 prompts, in one process): MAL 1.90
+    # vs 1.89, speed-up over target-only 1.61x vs 1.51x. Drafts change slightly; the target's
+    # verification keeps the output exact either way.
+    pack: str = "int8"
     num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
     num_cpus: float = 1.0
     max_slots: int = 16
@@ -52,7 +55,9 @@ class DrafterConfig:
 @dataclass
 class SpecConfig:
     enabled: bool = True
-    gamma: int = 4                      # default draft length when a request does not say
+    # Default draft length when a request does not say. 3, measured here with the bootstrapped
+    # drafter (GSM8K, batch 1, greedy, 16 prompts, one process): 1.61x over target-only vs 1.56x at 4.
+    gamma: int = 3
     gamma_min: int = 0                  # operator bounds a request's gamma must fall within
     gamma_max: int = 8
     policy: str = "fixed"               # fixed | egag | confidence | adaptive

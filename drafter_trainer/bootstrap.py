@@ -80,7 +80,10 @@ class BootstrapConfig:
     # Second stage: fine-tune the drafter to also read the target's hidden states (hidden_stage.py).
     target_hidden: bool = True
     hidden_out_dir: str | None = None  # None: boot-hidden, or <out_dir>-hidden when out_dir is set
-    hidden_epochs: float = 6.0
+    # The second stage gets every train prompt: it has more to learn (reading states) from the same
+    # kind of text, and its teacher chunks extend the first stage's cached ones.
+    hidden_num_prompts: int | None = 1120  # None: num_prompts
+    hidden_epochs: float = 5.0
     hidden_lr: float = 5e-4
     hidden_staleness: int = 4  # staleness embeddings: 0 (fresh) .. 3 (the 4th draft of a step, and on)
     hidden_fresh_fraction: float = 0.5  # share of training positions that read a fresh state
@@ -93,7 +96,10 @@ class BootstrapConfig:
     @classmethod
     def quick(cls, **overrides: Any) -> BootstrapConfig:
         """Small enough for CI on 2 CPU cores (a couple of minutes) and still a valid drafter."""
-        base = dict(num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0, hidden_epochs=8.0)
+        base = dict(
+            num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0,
+            hidden_num_prompts=None, hidden_epochs=8.0,
+        )
         return cls(**{**base, **overrides})
 
     def resolved_out_dir(self) -> Path:
@@ -329,6 +335,7 @@ def build_arg_parser(add_help: bool = True) -> argparse.ArgumentParser:
         default=None,
         help="skip the second stage (the drafter that reads the target's hidden states)",
     )
+    p.add_argument("--hidden-num-prompts", type=int, help="train prompts of the second stage")
     p.add_argument("--hidden-epochs", type=float)
     p.add_argument("--hidden-out", dest="hidden_out_dir", help="output directory of the second stage")
     return p

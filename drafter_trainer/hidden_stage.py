@@ -14,6 +14,7 @@ numbers serving feeds the drafter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -234,7 +235,9 @@ def bootstrap_hidden_drafter(cfg: Any, base_dir: Path, td: TeacherData | None = 
 
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    td = td or collect_teacher_data(cfg)
+    n_prompts = cfg.hidden_num_prompts or cfg.num_prompts
+    if td is None or len(td.train_ids) != n_prompts:
+        td = collect_teacher_data(dataclasses.replace(cfg, num_prompts=n_prompts))
     train_seqs, eval_seqs = td.train, td.eval
     longest = max(int(s.token_ids.numel()) for s in train_seqs + eval_seqs)
     runner = ModelRunner(td.target_dir, max_slots=8, num_threads=cfg.threads, max_seq_len=longest)
@@ -268,6 +271,7 @@ def bootstrap_hidden_drafter(cfg: Any, base_dir: Path, td: TeacherData | None = 
             **base_meta.get("train", {}),
             "recipe": "token drafter + proj(target hidden state) + staleness embedding, top-k forward KL",
             "hidden_stage": {
+                "train_prompts": len(td.train_ids),
                 "steps": steps,
                 "lr": cfg.hidden_lr,
                 "staleness": cfg.hidden_staleness,

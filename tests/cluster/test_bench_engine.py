@@ -81,7 +81,7 @@ def test_specd_overrides_fix_what_the_benchmark_needs():
 def test_vllm_specd_systems_select_the_vllm_backend_with_an_engine_wide_gamma():
     job = {"model_dir": "/m", "max_batch": 1, "max_seq_len": 512}
     chain = specd_overrides(SYSTEMS["vllm-specd-chain"], job)
-    assert {"target.backend=vllm", "drafter.kind=model", "spec.gamma=4", "spec.policy=fixed"} <= set(chain)
+    assert {"target.backend=vllm", "drafter.kind=model", "spec.gamma=3", "spec.policy=fixed"} <= set(chain)
     assert "drafter.target_hidden=false" in chain  # vLLM does not hand its hidden states to a proposer
     assert "drafter.kind=ngram" in specd_overrides(SYSTEMS["vllm-specd-ngram"], job)
     assert SYSTEMS["vllm-specd-ngram"].speculative and SYSTEMS["vllm-specd-ngram"].backend == "vllm"

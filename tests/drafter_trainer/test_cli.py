@@ -20,3 +20,11 @@ def test_defaults_and_skipping_the_second_stage():
     cfg = config_from_options(vars(build_parser().parse_args(["bootstrap-drafter", "--no-target-hidden"])))
     assert cfg == BootstrapConfig(target_hidden=False)
     assert config_from_options(vars(build_parser().parse_args(["bootstrap-drafter"]))) == BootstrapConfig()
+
+
+def test_second_stage_prompt_count():
+    args = build_parser().parse_args(["bootstrap-drafter", "--hidden-num-prompts", "96"])
+    full = config_from_options(vars(args))
+    assert full.hidden_num_prompts == 96 and full.num_prompts == BootstrapConfig().num_prompts
+    # the quick preset trains both stages on its own few prompts
+    assert BootstrapConfig.quick().hidden_num_prompts is None

@@ -88,14 +88,14 @@ class Llama(nn.Module):
     def pack_weights(self, mode: bool | str = True) -> None:
         """Pack every matmul weight (see layers.Linear.pack); re-packed after loads.
 
-        True / "onednn": oneDNN pre-packed float weights (CPU, float32/bfloat16; elsewhere plain).
-        "int8": weight-only int8 rows (CPU). Either costs a second copy of the matmul weights in memory.
+        True / "onednn": oneDNN pre-packed float weights; "int8": weight-only int8 rows. Both on CPU
+        with float32/bfloat16 weights, plain weights elsewhere. Either keeps a second copy of the
+        matmul weights in memory.
         """
         mode = {True: "onednn", False: "none"}.get(mode, mode)
-        if mode == "onednn" and not can_pack(self.embed_tokens.device, self.embed_tokens.dtype):
+        # Both are CPU layouts; elsewhere (CUDA) the plain weights are what the GPU kernels want.
+        if mode != "none" and not can_pack(self.embed_tokens.device, self.embed_tokens.dtype):
             mode = "none"
-        if mode == "int8" and self.embed_tokens.device.type != "cpu":
-            raise ValueError("int8 weights are a CPU option here (on CUDA, serve the drafter in bfloat16)")
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(mode)
