@@ -155,7 +155,7 @@ def test_proposer_gamma_policies_with_model_drafter(tmp_path, tiny_target_dir, t
         assert set(lengths) == {6}
         # The tracked drafter (KV cache rolled back and fed the new tokens each step) drafts what a fresh
         # one drafts from the whole history.
-        fresh = ModelDrafter(tiny_drafter_dir, max_slots=1)
+        fresh = ModelDrafter(tiny_drafter_dir, max_slots=1, pack=proposer.worker.drafter.runner.model.packed)
         for r, draft in drafts.items():
             fresh.add_request("x", fake.histories[r])
             assert fresh.propose(["x"], [6], [SamplingParams()]).tokens[0] == draft
