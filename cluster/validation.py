@@ -8,13 +8,14 @@ proto message, the bounds and a text codec, so they are tested without a server.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from configs.schema import SpecdConfig
 from proto.specd.v1 import serving_pb2
 from workers.core.gamma import GAMMA_POLICIES
-from workers.core.sampling import SamplingParams
+from workers.core.sampling import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 from workers.engine.types import SpecParams
 
 # Generous but finite: stop strings are searched in the decoded text after every step.
@@ -22,6 +23,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID_LENGTH = 128
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# The proto carries temperature as float32: compare with the float32 nearest to the bound.
+_MIN_TEMPERATURE_F32 = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 
 
 class InvalidRequest(ValueError):
@@ -146,6 +149,11 @@ def _sampling(opts: serving_pb2.SamplingOptions, bounds: Bounds) -> SamplingPara
         raise InvalidRequest(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not (math.isfinite(temperature) and temperature <= bounds.temperature_max):
         raise InvalidRequest(f"temperature must be <= {bounds.temperature_max}, got {temperature}")
+    if 0.0 < temperature < _MIN_TEMPERATURE_F32:
+        raise InvalidRequest(
+            f"temperature={temperature:.6g} is out of range: 0 (greedy) or in "
+            f"[{MIN_TEMPERATURE:g}, {bounds.temperature_max:g}]"
+        )
     top_k = opts.top_k if opts.HasField("top_k") else 0
     if top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {top_k}")
@@ -155,6 +163,8 @@ def _sampling(opts: serving_pb2.SamplingOptions, bounds: Bounds) -> SamplingPara
     if not 0.0 < top_p <= 1.0:
         raise InvalidRequest(f"top_p must be in (0, 1] (1 = off), got {top_p}")
     seed = opts.seed if opts.HasField("seed") else None
+    if seed is not None and not 0 <= seed < SEED_RANGE:
+        raise InvalidRequest(f"seed={seed} is out of range: [0, 2**64 - 1]")
     return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), seed=seed)
 
 

@@ -77,6 +77,7 @@ def test_top_k_beyond_the_vocabulary_means_off() -> None:
     (dict(text="a", max_new_tokens=17), "max_new_tokens must be <= 16, got 17"),
     (dict(text="a", temperature=-0.5), "temperature must be >= 0"),
     (dict(text="a", temperature=float("inf")), "temperature must be <= 1.5"),
+    (dict(text="a", temperature=1e-38), "temperature=1e-38 is out of range: 0 (greedy) or in [1e-05, 1.5]"),
     (dict(text="a", top_p=0.0), "top_p must be in (0, 1]"),
     (dict(text="a", top_p=float("nan")), "top_p must be in (0, 1]"),
     (dict(text="a", top_k=-1), "top_k must be >= 0"),
@@ -137,3 +138,9 @@ def test_hf_codec_renders_chat_without_a_second_bos() -> None:
     codec = HFCodec(Tok())
     assert codec.render_chat([{"role": "user", "content": "hey"}]) == [6]
     assert codec.encode("hey") == [99, 3]
+
+
+def test_seed_range_edges() -> None:
+    assert valid(text="a", seed=2**64 - 1).sampling.seed == 2**64 - 1
+    assert valid(text="a", seed=0).sampling.seed == 0
+    assert valid(text="a", temperature=1e-5).sampling.temperature == pytest.approx(1e-5)

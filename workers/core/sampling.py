@@ -24,6 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+# The smallest positive temperature the server accepts (cluster/validation.py). Smaller ones are still
+# computed safely (see logits_to_probs), but they are greedy in all but name.
+MIN_TEMPERATURE = 1e-5
+SEED_RANGE = 2**64  # torch generators take 64-bit seeds; every seed is reduced modulo this
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -50,7 +55,7 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
     if seed is None:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % SEED_RANGE)
     return generator
 
 
@@ -86,8 +91,13 @@ def logits_to_probs(
         return one_hot
 
     # Temperature: greedy rows divide by 1; their values are replaced by the one-hot at the end.
+    # Shifting by the row max first changes nothing mathematically (softmax and top-k are
+    # shift-invariant) but keeps a tiny temperature finite: (l - max) / T lies in [-inf, 0], where
+    # l / T could reach +inf and softmax would compute inf - inf = NaN. As T -> 0 this yields the limit
+    # distribution, uniform over the tied maxima.
     safe_temperature = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits / safe_temperature.to(dtype)[:, None, None]
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    scaled = shifted / safe_temperature.to(dtype)[:, None, None]
 
     # Top-k keeps every token whose logit is >= the k-th largest, so tied logits are kept together and
     # the mask does not depend on how ties are ordered.

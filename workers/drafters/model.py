@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from workers.core.sampling import logits_to_probs, make_generator, params_to_tensors, sample
+from workers.core.sampling import SEED_RANGE, logits_to_probs, make_generator, params_to_tensors, sample
 from workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
 from workers.drafters.registry import register_drafter
 from workers.engine.runner import ModelRunner
@@ -126,7 +126,7 @@ class ModelDrafter(Drafter):
             prefix = None if feats is None else [feats[:-1]]
             self.runner.prefill([slot], [prompt_tokens[:-1]], features=prefix)
         # The drafter's randomness is its own stream: seeded requests stay reproducible end to end.
-        gen = make_generator(None if seed is None else seed + 0x5EED)
+        gen = make_generator(None if seed is None else (seed + 0x5EED) % SEED_RANGE)
         self.seqs[request_id] = _DraftSeq(
             slot, gen, feed=[prompt_tokens[-1]], feed_hidden=None if feats is None else feats[-1:]
         )

@@ -147,3 +147,21 @@ def test_settings_that_are_off_keep_tiny_probabilities():
     probs = process([0.0, -40.0, -40.0], top_p=1.0, top_k=0)
     assert probs[1] > 0 and probs[2] > 0
     assert torch.equal(probs, torch.softmax(torch.tensor([0.0, -40.0, -40.0], dtype=torch.float64), dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-40, 1e-12])
+def test_tiny_positive_temperature_gives_the_limit_distribution_not_nan(temperature):
+    # float32, as the workers compute: logits / 1e-38 overflow to ±inf and inf - inf is NaN.
+    logits = torch.tensor([[[30.0, -2.0, 15.0, 30.0, -50.0]]])
+    settings = params_to_tensors([SamplingParams(temperature)], device="cpu")
+    probs = logits_to_probs(logits, *settings)[0, 0]
+    # The T -> 0 limit: uniform over the tied maxima, exactly zero elsewhere.
+    assert torch.equal(probs, torch.tensor([0.5, 0.0, 0.0, 0.5, 0.0]))
+    with_top = params_to_tensors([SamplingParams(temperature, top_k=2, top_p=0.9)], device="cpu")
+    assert torch.isfinite(logits_to_probs(logits, *with_top)).all()
+
+
+def test_make_generator_takes_any_64_bit_seed():
+    for seed in (2**64 - 1, 2**64 + 5, -1):
+        a = torch.rand(2, generator=make_generator(seed))
+        assert torch.equal(a, torch.rand(2, generator=make_generator(seed % 2**64)))
