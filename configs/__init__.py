@@ -15,6 +15,11 @@ def load_config(overrides: list[str] | None = None) -> SpecdConfig:
         cfg = compose(config_name="config", overrides=list(overrides or []))
     validated = OmegaConf.to_object(cfg)
     assert isinstance(validated, SpecdConfig)
+    drafter = validated.drafter
+    if drafter.max_seq_len is None:
+        drafter.max_seq_len = validated.target.max_seq_len
+    if drafter.max_seq_len < 1:
+        raise ValueError(f"drafter.max_seq_len={drafter.max_seq_len} must be >= 1 (unset = the target's)")
     if validated.spec.lossy:
         raise ValueError("spec.lossy=true: specd has no lossy verification mode; every mode is exact")
     if not validated.spec.gamma_min <= validated.spec.gamma <= validated.spec.gamma_max:

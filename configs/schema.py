@@ -47,6 +47,9 @@ class DrafterConfig:
     num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
     num_cpus: float = 1.0
     max_slots: int = 16
+    # Context of the drafter's KV cache; None = the target's (target.max_seq_len), resolved by
+    # configs.load_config. A drafter shorter than the target cannot draft for long requests.
+    max_seq_len: int | None = None
     min_ngram: int = 1
     max_ngram: int = 4
     hybrid_min_match: int = 2           # kind=hybrid: copy (n-gram) when >= this many tokens match

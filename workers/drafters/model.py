@@ -103,7 +103,8 @@ class ModelDrafter(Drafter):
             device=cfg.device,
             dtype=DTYPES[cfg.dtype],
             max_slots=cfg.max_slots,
-            max_seq_len=getattr(cfg, "max_seq_len", 2048),
+            # None when the config did not go through configs.load_config: target.max_seq_len's default.
+            max_seq_len=getattr(cfg, "max_seq_len", None) or 2048,
             seed=seed,
             pack=getattr(cfg, "pack", "onednn"),
         )

@@ -105,6 +105,7 @@ def proposer_settings(
     drafter["target_hidden"] = False
     # Rows come and go (and idle ones linger until evicted): give the drafter room for two batches.
     drafter["max_slots"] = max(drafter["max_slots"], 2 * max_running)
+    drafter["max_seq_len"] = drafter.get("max_seq_len") or cfg.target.max_seq_len
     return ProposerSettings(
         drafter=drafter,
         spec=asdict(cfg.spec),
