@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
-PROTO_FILES = ["specd/v1/serving.proto"]
+PROTO_FILES = ["specd/v1/serving.proto", "specd/v1/replay.proto"]
 # "from specd.v1 import x_pb2" in gRPC stubs and in modules importing another .proto of ours
 _IMPORT_FROM = re.compile(r"^from specd(\.\S+)? import ", re.MULTILINE)
 
