@@ -98,6 +98,60 @@ class RayConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """Records of served requests in a Redis Stream, for the online trainer (cluster/replay_writer.py)."""
+
+    enabled: bool = True
+    # None: specd starts its own redis-server on a free loopback port with a generated password and
+    # stops it on exit (cluster/redis_server.py). Else redis:// or rediss:// (TLS) URL of a server.
+    redis_url: str | None = None
+    password_env: str = "SPECD_REDIS_PASSWORD"   # redis_url's password comes from this env variable
+    tls_ca_certs: str | None = None     # rediss://: CA bundle, and client cert/key for mutual TLS
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    stream: str = "specd:replay"
+    maxlen: int = 20000                 # XADD MAXLEN ~ (approximate trim): the memory bound in README
+    queue_size: int = 1024              # records waiting for Redis; beyond it records are dropped
+    socket_timeout_s: float = 1.0       # a slow Redis costs the writer thread this much, never serving
+    retry_s: float = 1.0                # pause between reconnect attempts while Redis is away
+    redis_server_bin: str = "redis-server"
+
+
+@dataclass
+class TrainerConfig:
+    """Online distillation of the serving drafter toward the target (drafter_trainer/online.py)."""
+
+    enabled: bool = True                # `specd serve` starts the trainer actor
+    device: str = "cpu"
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    group: str = "specd-trainer"        # Redis consumer group: a restarted trainer resumes from it
+    consumer: str = "trainer-0"
+    divergence: str = "forward_kl"      # forward_kl | reverse_kl | jsd | tvd
+    jsd_beta: float = 0.5               # jsd: mixture weight of the teacher
+    positions: str = "all"              # all verified positions, or "rejected": weighted toward rejections
+    accepted_weight: float = 0.2        # positions=rejected: weight of positions whose draft was accepted
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    batch_records: int = 8              # records per optimizer step
+    steps_per_update: int = 8           # optimizer steps per update round
+    update_every_records: int = 64      # an update round after this many new records ...
+    update_every_s: float = 120.0       # ... or this many seconds with at least one new record
+    max_grad_norm: float = 1.0          # 0 = no clipping
+    buffer_records: int = 512           # training records kept in memory (newest)
+    holdout_every: int = 8              # every n-th record goes to the gate's held-out set, never trained on
+    holdout_records: int = 64           # held-out records kept (newest)
+    gate_gamma: int = 4                 # the gate scores the first γ positions of each step
+    gate_margin: float = 0.01           # publish when expected acceptance beats the serving version by this
+    keep_versions: int = 5              # published versions kept on disk
+    rollback_window_steps: int = 200    # live steps of a new version compared with its parent's
+    rollback_margin: float = 0.05       # roll back when its acceptance is this much below its parent's
+    collapse_steps: int = 50            # after this many live steps ...
+    collapse_alpha: float = 0.05        # ... acceptance below this is a collapse: roll back at once
+    out_dir: str | None = None          # None: <cache_dir>/drafters/online
+
+
+@dataclass
 class SpecdConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -105,6 +159,8 @@ class SpecdConfig:
     sampling: SamplingBounds = field(default_factory=SamplingBounds)
     server: ServerConfig = field(default_factory=ServerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cache_dir: str | None = None        # None = $SPECD_CACHE or ~/.cache/specd
     seed: int = 0
     name: str = MISSING

@@ -2,6 +2,16 @@
 # Installs specd and everything it needs on a fresh Debian machine with Python 3.11 (run as root or in a venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# redis-server holds the replay stream of online training when no replay.redis_url is configured.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+  else
+    echo "install.sh: redis-server missing and no apt-get: install it, or set replay.redis_url" >&2
+  fi
+fi
 # The CPU build of torch: pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 # On a GPU machine, install the CUDA torch you want first; a range it satisfies installs nothing more.
 if ! python -c "import torch" 2>/dev/null; then
