@@ -135,21 +135,56 @@ def _chunk(msg: serving_pb2.GenerateStreamResponse) -> Chunk:
                  _dict(msg.final.usage))
 
 
+@dataclass(frozen=True)
+class Security:
+    """How a client reaches a secured server. tls: use TLS (ca_file verifies the server, None = the
+    system roots; cert_file/key_file for mutual TLS). token: sent as `authorization: Bearer <token>`;
+    read it with cluster.auth.client_token from a file or environment variable."""
+
+    tls: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    token: str | None = None
+    max_message_bytes: int | None = None
+
+    def channel_args(self) -> list[tuple[str, int]]:
+        n = self.max_message_bytes
+        return [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)] if n else []
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not (self.tls or self.ca_file or self.cert_file):
+            return None
+        from cluster.auth import client_channel_credentials
+
+        return client_channel_credentials(self.ca_file, self.cert_file, self.key_file)
+
+
 class SpecdClient:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
+                 security: Security | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        sec = security or Security()
+        creds = sec.credentials()
+        self.channel = (grpc.secure_channel(address, creds, options=sec.channel_args()) if creds
+                        else grpc.insecure_channel(address, options=sec.channel_args()))
+        self.metadata = sec.metadata()
         self.stub = serving_pb2_grpc.SpecdStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
-        resp = self.stub.Generate(build_request(prompt, **kw), timeout=timeout or self.timeout)
+        resp = self.stub.Generate(build_request(prompt, **kw), timeout=timeout or self.timeout,
+                                  metadata=self.metadata)
         return _completion(resp)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
         """Chunks as they arrive; break out of the loop (or call .cancel() on the call) to cancel."""
-        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout or self.timeout)
+        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout or self.timeout,
+                                        metadata=self.metadata)
         try:
             for msg in call:
                 yield _chunk(msg)
@@ -157,7 +192,8 @@ class SpecdClient:
             call.cancel()   # no-op when the stream already ended; frees the server's slots otherwise
 
     def server_info(self) -> dict:
-        return _dict(self.stub.ServerInfo(serving_pb2.ServerInfoRequest(), timeout=self.timeout or 30))
+        return _dict(self.stub.ServerInfo(serving_pb2.ServerInfoRequest(), timeout=self.timeout or 30,
+                                          metadata=self.metadata))
 
     def health(self, service: str = "") -> str:
         resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
@@ -188,17 +224,24 @@ class SpecdClient:
 class AsyncSpecdClient:
     """The same calls over grpc.aio, for many concurrent requests from one process (benchmarks)."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
+                 security: Security | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(address)
+        sec = security or Security()
+        creds = sec.credentials()
+        self.channel = (grpc.aio.secure_channel(address, creds, options=sec.channel_args()) if creds
+                        else grpc.aio.insecure_channel(address, options=sec.channel_args()))
+        self.metadata = sec.metadata()
         self.stub = serving_pb2_grpc.SpecdStub(self.channel)
 
     async def generate(self, prompt: str | None = None, **kw) -> Completion:
-        return _completion(await self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout))
+        return _completion(await self.stub.Generate(build_request(prompt, **kw), timeout=self.timeout,
+                                                    metadata=self.metadata))
 
     async def stream(self, prompt: str | None = None, **kw) -> AsyncIterator[Chunk]:
-        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=self.timeout)
+        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=self.timeout,
+                                        metadata=self.metadata)
         try:
             async for msg in call:
                 yield _chunk(msg)
@@ -206,7 +249,8 @@ class AsyncSpecdClient:
             call.cancel()
 
     async def server_info(self) -> dict:
-        return _dict(await self.stub.ServerInfo(serving_pb2.ServerInfoRequest(), timeout=self.timeout))
+        return _dict(await self.stub.ServerInfo(serving_pb2.ServerInfoRequest(), timeout=self.timeout,
+                                                metadata=self.metadata))
 
     async def close(self) -> None:
         await self.channel.close()

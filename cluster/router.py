@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.auth import ServerSecurity
 from cluster.metrics import SpecdMetrics
 from cluster.scheduler import (
     FINISH_CANCELLED,
@@ -242,23 +243,45 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
 class GrpcServer:
     """A grpc.aio server with the Specd service, grpc.health.v1 and server reflection."""
 
-    def __init__(self, servicer: SpecdServicer, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, servicer: SpecdServicer, host: str = "127.0.0.1", port: int = 0,
+                 security: ServerSecurity | None = None, max_message_bytes: int | None = None,
+                 health_port: int | None = None):
+        """security: TLS credentials and the bearer-token interceptor (None = plaintext, open);
+        health_port: a plaintext port serving grpc.health.v1 only, for kubelet probes."""
         self.servicer = servicer
-        self.server = grpc.aio.server()
+        options = ([("grpc.max_receive_message_length", max_message_bytes),
+                    ("grpc.max_send_message_length", max_message_bytes)] if max_message_bytes else [])
+        interceptors = security.interceptors if security else ()
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         serving_pb2_grpc.add_SpecdServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        bind_host = f"[{host}]" if ":" in host else host
-        self.port = self.server.add_insecure_port(f"{bind_host}:{port}")
-        if self.port == 0:
-            raise OSError(f"could not bind gRPC to {host}:{port}")
-        self.address = f"{bind_host}:{self.port}"
+        self.bind_host = f"[{host}]" if ":" in host else host
+        credentials = security.credentials if security else None
+        self.tls = credentials is not None
+        self.port = self._bind(self.server, port, credentials)
+        self.address = f"{self.bind_host}:{self.port}"
+        self.health_server, self.health_port = None, None
+        if health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self._bind(self.health_server, health_port, None)
+
+    def _bind(self, server, port: int, credentials) -> int:
+        target = f"{self.bind_host}:{port}"
+        bound = (server.add_secure_port(target, credentials) if credentials
+                 else server.add_insecure_port(target))
+        if bound == 0:
+            raise OSError(f"could not bind gRPC to {target}")
+        return bound
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self.set_serving(self.servicer.backend is not None)
 
     async def set_serving(self, serving: bool) -> None:
@@ -275,3 +298,5 @@ class GrpcServer:
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)

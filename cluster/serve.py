@@ -101,6 +101,7 @@ async def _bring_up(
     cfg: SpecdConfig, res: _Resources, loop, stop: asyncio.Event, ready_callback, install_signals
 ) -> None:
     from cluster import actors
+    from cluster.auth import ServerSecurity
     from cluster.metrics import SpecdMetrics
     from cluster.router import Backend, GrpcServer, SpecdServicer
     from cluster.scheduler import Scheduler
@@ -108,7 +109,10 @@ async def _bring_up(
     from workers.models.loader import ensure_target_model, load_tokenizer
 
     t0 = time.perf_counter()
-    res.grpc = GrpcServer(SpecdServicer(), cfg.server.host, cfg.server.port)
+    security = ServerSecurity.from_config(cfg.server)
+    res.grpc = GrpcServer(SpecdServicer(), cfg.server.host, cfg.server.port, security=security,
+                          max_message_bytes=cfg.server.max_message_bytes,
+                          health_port=cfg.server.health_port or None)
     await res.grpc.start()
     log.info("gRPC on %s (NOT_SERVING while loading)", res.grpc.address)
 
@@ -204,7 +208,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from configs import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(load_config(args.overrides))
+    return serve(load_config(read_overrides_file(args.overrides_file) + list(args.overrides)))
+
+
+def read_overrides_file(path: str | None) -> list[str]:
+    """One Hydra override per line ('#' comments and blank lines skipped): how the Helm chart's
+    ConfigMap reaches `specd serve` without shell word-splitting of values."""
+    if not path:
+        return []
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def add_client_options(p: argparse.ArgumentParser) -> None:
+    """Address, TLS and token options of the commands that call a server (generate, admin)."""
+    default_address = f"{ServerConfig.host}:{ServerConfig.port}"
+    p.add_argument("--address", default=default_address, help=f"server address (default {default_address})")
+    p.add_argument("--tls", action="store_true", help="connect with TLS (implied by --ca-file)")
+    p.add_argument("--ca-file", default=None, help="PEM CA that signed the server's certificate")
+    p.add_argument("--cert-file", default=None, help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--key-file", default=None, help="client key (PEM) for mutual TLS")
+    p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
+    p.add_argument("--token-env", default="SPECD_TOKEN",
+                   help="environment variable holding the bearer token (default SPECD_TOKEN)")
+
+
+def client_security(args: argparse.Namespace):
+    from cluster.auth import client_token
+    from cluster.client import Security
+
+    return Security(tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file,
+                    token=client_token(args.token_file, args.token_env))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -220,7 +254,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     kw["text" if args.raw else "prompt"] = args.prompt
     try:
-        with SpecdClient(args.address, timeout=args.timeout) as client:
+        with SpecdClient(args.address, timeout=args.timeout, security=client_security(args)) as client:
             if args.stream:
                 usage, reason = {}, ""
                 for chunk in client.stream(**kw):
@@ -248,12 +282,13 @@ def add_cli(subparsers) -> None:
     p = subparsers.add_parser("serve", help="start the gRPC server (local Ray by default)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. server.port=50052 spec.gamma=6")
+    p.add_argument("--overrides-file", default=None,
+                   help="file of Hydra overrides, one per line (before the command line's)")
     p.set_defaults(func=_cmd_serve)
 
-    default_address = f"{ServerConfig.host}:{ServerConfig.port}"
     g = subparsers.add_parser("generate", help="send one prompt to a running server")
     g.add_argument("prompt", help="a user message (rendered with the chat template), or raw text with --raw")
-    g.add_argument("--address", default=default_address, help=f"server address (default {default_address})")
+    add_client_options(g)
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
     g.add_argument("--raw", action="store_true", help="send the prompt as raw text, not a chat message")
     g.add_argument("--max-new-tokens", type=int, default=None)
@@ -274,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m cluster.serve [overrides]`: the same as `specd serve` (benchmarks start it this way)."""
     parser = argparse.ArgumentParser(prog="python -m cluster.serve")
     parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--overrides-file", default=None)
     return _cmd_serve(parser.parse_args(argv))
 
 

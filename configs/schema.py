@@ -88,6 +88,19 @@ class ServerConfig:
     pipeline_groups: int = 2            # 2 = draft group B while verifying group A; 1 = unpipelined
     metrics_port: int = 9464            # prometheus-client HTTP endpoint; 0 = off
     warmup: bool = True
+    # A second, plaintext port carrying only grpc.health.v1, for kubelet gRPC probes (which cannot
+    # speak TLS); 0 = off. It answers health and nothing else, so it needs no token.
+    health_port: int = 0
+    # TLS: PEM paths; both set = TLS on. tls_client_ca_file set = mutual TLS (clients must present a
+    # certificate it signed).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    # Bearer tokens every RPC but health and reflection needs: a file (one token per line, so a
+    # rotation can hold two) and/or an environment variable's name. Never a token on the command line.
+    auth_token_file: str | None = None
+    auth_token_env: str | None = None
+    max_message_bytes: int = 4194304    # gRPC receive/send limit per message (4 MiB, gRPC's default)
 
 
 @dataclass

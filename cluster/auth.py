@@ -1,0 +1,159 @@
+"""Endpoint security: gRPC TLS (mutual TLS optional) and bearer-token authentication.
+
+Every RPC except grpc.health.v1 (kubelet probes, load balancers) and server reflection needs the
+metadata `authorization: Bearer <token>` when the server has tokens; a missing or wrong token gets
+UNAUTHENTICATED before the servicer runs. Tokens come from a file (one per line, so a rotation can
+hold the old and the new token at once) or an environment variable, never from the command line,
+where `ps` would show them to every user of the machine. All of it is off by default, which suits
+the default loopback bind; the Helm chart turns it on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# Prefixes of the methods anyone may call: health for probes, reflection for discovery tools.
+OPEN_METHOD_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def read_tokens(token_file: str | None = None, token_env: str | None = None) -> tuple[str, ...]:
+    """The accepted tokens: non-empty lines of token_file plus the value of $token_env."""
+    tokens: list[str] = []
+    if token_file:
+        path = Path(token_file)
+        if not path.is_file():
+            raise ValueError(f"server.auth_token_file={token_file!r}: no such file")
+        tokens += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not tokens:
+            raise ValueError(f"server.auth_token_file={token_file!r} holds no token")
+    if token_env:
+        value = os.environ.get(token_env, "").strip()
+        if not value:
+            raise ValueError(f"server.auth_token_env={token_env!r}: the variable is unset or empty")
+        tokens.append(value)
+    return tuple(tokens)
+
+
+def client_token(token_file: str | None = None, token_env: str | None = None) -> str | None:
+    """The token a client sends: the first line of token_file, else $token_env, else None."""
+    if token_file:
+        lines = [s.strip() for s in Path(token_file).read_text().splitlines() if s.strip()]
+        if not lines:
+            raise ValueError(f"token file {token_file!r} is empty")
+        return lines[0]
+    if token_env:
+        return os.environ.get(token_env) or None
+    return None
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that fails with UNAUTHENTICATED."""
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover  (makes this an async generator; abort raises first)
+
+    kw = dict(request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <one of tokens>` (health and reflection exempt)."""
+
+    def __init__(self, tokens: tuple[str, ...]):
+        if not tokens:
+            raise ValueError("BearerAuthInterceptor needs at least one token")
+        self._tokens = tuple(t.encode() for t in tokens)
+
+    def allowed(self, authorization: str | None) -> bool:
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        given = authorization[len("Bearer "):].strip().encode()
+        # compare_digest against every token (no early exit), so timing does not reveal which is close
+        return sum(hmac.compare_digest(given, t) for t in self._tokens) > 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        metadata = {k: v for k, v in (handler_call_details.invocation_metadata or ())}
+        authorization = metadata.get("authorization")
+        if self.allowed(authorization if isinstance(authorization, str) else None):
+            return handler
+        reason = "missing bearer token" if not authorization else "invalid bearer token"
+        return _deny(handler, f"{reason}: send metadata 'authorization: Bearer <token>'")
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """What serve needs from the server section: credentials (None = plaintext) and interceptors."""
+
+    credentials: grpc.ServerCredentials | None
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...]
+
+    @classmethod
+    def from_config(cls, server) -> ServerSecurity:
+        """`server` is configs.schema.ServerConfig; file problems fail here, before anything loads."""
+        credentials = None
+        if server.tls_cert_file or server.tls_key_file:
+            if not (server.tls_cert_file and server.tls_key_file):
+                raise ValueError("server.tls_cert_file and server.tls_key_file must be set together")
+            key = _read(server.tls_key_file, "tls_key_file")
+            cert = _read(server.tls_cert_file, "tls_cert_file")
+            ca = server.tls_client_ca_file
+            roots = _read(ca, "tls_client_ca_file") if ca else None
+            credentials = grpc.ssl_server_credentials(
+                [(key, cert)], root_certificates=roots, require_client_auth=roots is not None
+            )
+        elif server.tls_client_ca_file:
+            raise ValueError("server.tls_client_ca_file (mutual TLS) needs server.tls_cert_file and "
+                             "server.tls_key_file")
+        tokens = read_tokens(server.auth_token_file, server.auth_token_env)
+        interceptors = (BearerAuthInterceptor(tokens),) if tokens else ()
+        if server.host not in LOOPBACK_HOSTS and not (credentials and tokens):
+            log.warning("serving on %s without %s: anyone who reaches the port can use it", server.host,
+                        " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on))
+        return cls(credentials, interceptors)
+
+
+def _read(path: str, key: str) -> bytes:
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"server.{key}={path!r}: no such file")
+    return p.read_bytes()
+
+
+def client_channel_credentials(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS credentials for a client: ca_file verifies the server (None = system roots);
+    cert_file/key_file present a client certificate for mutual TLS."""
+    ca = Path(ca_file).read_bytes() if ca_file else None
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("a client certificate needs both cert_file and key_file")
+    key = Path(key_file).read_bytes() if key_file else None
+    cert = Path(cert_file).read_bytes() if cert_file else None
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)

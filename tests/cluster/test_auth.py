@@ -1,0 +1,218 @@
+"""TLS and bearer-token auth on the real gRPC router (fake workers): a certificate made here, calls
+without or with a wrong token get UNAUTHENTICATED, with the token they succeed; health and reflection
+stay open; mutual TLS refuses a client without a certificate; the plaintext health port answers."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from fake_workers import EOS, FakeDrafter, FakeTarget
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from test_router import BOUNDS, LoopThread, ToyCodec
+
+from cluster.auth import BearerAuthInterceptor, ServerSecurity, read_tokens
+from cluster.client import Security, SpecdClient
+from cluster.router import Backend, GrpcServer, SpecdServicer
+from cluster.scheduler import Scheduler
+from configs.schema import ServerConfig
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def self_signed(directory: Path, name: str) -> tuple[str, str]:
+    """A self-signed certificate for localhost and 127.0.0.1; returns (cert path, key path)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+@dataclass
+class Running:
+    address: str
+    health_port: int | None
+    cert: str
+    client_cert: tuple[str, str] | None
+
+
+def start(lt: LoopThread, server_cfg: ServerConfig, stack: list) -> GrpcServer:
+    target = FakeTarget(max_slots=2, delay=0.001)
+    drafter = FakeDrafter(target, delay=0.001)
+
+    async def up():
+        sched = Scheduler([(target, drafter)], capacity=2, max_queue=4, max_running=2, pipeline_groups=1,
+                          eos_token_ids=[EOS])
+        await sched.start()
+        srv = GrpcServer(SpecdServicer(), port=0, security=ServerSecurity.from_config(server_cfg),
+                         max_message_bytes=server_cfg.max_message_bytes,
+                         health_port=server_cfg.health_port or None)
+        await srv.start()
+        await srv.attach(Backend(sched, ToyCodec(), BOUNDS, "fake", (EOS,), 1, 1, 4))
+        stack.append((srv, sched))
+        return srv
+
+    return lt.run(up())
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed(tmp, "server")
+    token_file = tmp / "tokens"
+    token_file.write_text(f"old-token\n{TOKEN}\n")
+    lt, stack = LoopThread(), []
+    cfg = ServerConfig(tls_cert_file=cert, tls_key_file=key, auth_token_file=str(token_file),
+                       max_message_bytes=1 << 16, health_port=free_port())
+    srv = start(lt, cfg, stack)
+    yield Running(f"localhost:{srv.port}", srv.health_port, cert, None)
+    for srv, sched in stack:
+        lt.run(srv.stop(0))
+        lt.run(sched.stop())
+    lt.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call_code(client: SpecdClient) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(text="hi", max_new_tokens=4)
+    return err.value.code()
+
+
+def test_without_or_with_a_wrong_token_is_unauthenticated(secured) -> None:
+    with SpecdClient(secured.address, timeout=30, security=Security(ca_file=secured.cert)) as c:
+        assert call_code(c) == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.stream(text="hi", max_new_tokens=4))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            c.server_info()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "bearer token" in err.value.details()
+        # health and reflection stay open: probes and grpcurl need no token
+        assert c.health() == "SERVING"
+        assert "specd.v1.Specd" in set(ProtoReflectionDescriptorDatabase(c.channel).get_services())
+    wrong = Security(ca_file=secured.cert, token="not-the-token")
+    with SpecdClient(secured.address, timeout=30, security=wrong) as c:
+        assert call_code(c) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_with_the_token_over_tls_succeeds(secured) -> None:
+    for token in (TOKEN, "old-token"):      # every line of the token file is accepted (rotation)
+        with SpecdClient(secured.address, timeout=30,
+                         security=Security(ca_file=secured.cert, token=token)) as c:
+            out = c.generate(text="hi", max_new_tokens=4, ignore_eos=True)
+            assert len(out.token_ids) == 4 and out.finish_reason == "length"
+            chunks = list(c.stream(text="hi", max_new_tokens=3, ignore_eos=True))
+            assert chunks[-1].finish_reason == "length"
+            assert c.server_info()["model"] == "fake"
+
+
+def test_plaintext_client_cannot_talk_to_the_tls_port(secured) -> None:
+    with SpecdClient(secured.address, timeout=5, security=Security(token=TOKEN)) as c:
+        assert call_code(c) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_message_size_limit_from_config(secured) -> None:
+    with SpecdClient(secured.address, timeout=30, security=Security(ca_file=secured.cert, token=TOKEN)) as c:
+        assert call_code_text(c, "x" * (1 << 17)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def call_code_text(client: SpecdClient, text: str) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(text=text, max_new_tokens=4)
+    return err.value.code()
+
+
+def test_plaintext_health_port_for_probes(secured) -> None:
+    assert secured.health_port
+    with grpc.insecure_channel(f"127.0.0.1:{secured.health_port}") as channel:
+        resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_mutual_tls_needs_a_client_certificate(tmp_path) -> None:
+    cert, key = self_signed(tmp_path, "server")
+    client_cert, client_key = self_signed(tmp_path, "client")
+    lt, stack = LoopThread(), []
+    cfg = ServerConfig(tls_cert_file=cert, tls_key_file=key, tls_client_ca_file=client_cert)
+    try:
+        srv = start(lt, cfg, stack)
+        address = f"localhost:{srv.port}"
+        with SpecdClient(address, timeout=5, security=Security(ca_file=cert)) as c:
+            assert call_code(c) == grpc.StatusCode.UNAVAILABLE
+        mutual = Security(ca_file=cert, cert_file=client_cert, key_file=client_key)
+        with SpecdClient(address, timeout=30, security=mutual) as c:
+            assert c.generate(text="hi", max_new_tokens=2).token_ids
+    finally:
+        for srv, sched in stack:
+            lt.run(srv.stop(0))
+            lt.run(sched.stop())
+        lt.close()
+
+
+def test_tokens_from_file_and_env_and_bad_settings(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECD_TEST_TOKEN", "from-env")
+    f = tmp_path / "t"
+    f.write_text("\n a \n\nb\n")
+    assert read_tokens(str(f), "SPECD_TEST_TOKEN") == ("a", "b", "from-env")
+    with pytest.raises(ValueError, match="server.auth_token_env='SPECD_UNSET_VAR'"):
+        read_tokens(None, "SPECD_UNSET_VAR")
+    f.write_text("\n")
+    with pytest.raises(ValueError, match="holds no token"):
+        read_tokens(str(f))
+    with pytest.raises(ValueError, match="must be set together"):
+        ServerSecurity.from_config(ServerConfig(tls_cert_file=str(f)))
+    with pytest.raises(ValueError, match="server.tls_key_file='/nonexistent'"):
+        ServerSecurity.from_config(ServerConfig(tls_cert_file=str(f), tls_key_file="/nonexistent"))
+    assert ServerSecurity.from_config(ServerConfig()) == ServerSecurity(None, ())
+    auth = BearerAuthInterceptor(("tok",))
+    assert auth.allowed("Bearer tok") and not auth.allowed("Bearer tok2") and not auth.allowed("tok")
+    assert not auth.allowed(None) and not auth.allowed("Basic tok")
+
+
+def test_specd_generate_takes_tls_and_token_options(secured, monkeypatch, tmp_path, capsys) -> None:
+    from cluster.cli import main
+
+    base = ["generate", "hi", "--raw", "--address", secured.address, "--ca-file", secured.cert,
+            "--max-new-tokens", "3"]
+    monkeypatch.delenv("SPECD_TOKEN", raising=False)
+    assert main(base) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("SPECD_TOKEN", TOKEN)
+    assert main(base) == 0
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    monkeypatch.delenv("SPECD_TOKEN")
+    assert main([*base, "--token-file", str(token_file)]) == 0
+    assert "3 tokens" in capsys.readouterr().err
