@@ -18,8 +18,12 @@ def load_config(overrides: list[str] | None = None) -> SpecdConfig:
     drafter = validated.drafter
     if drafter.max_seq_len is None:
         drafter.max_seq_len = validated.target.max_seq_len
-    if drafter.max_seq_len < 1:
-        raise ValueError(f"drafter.max_seq_len={drafter.max_seq_len} must be >= 1 (unset = the target's)")
+    if drafter.max_seq_len < validated.target.max_seq_len:
+        # A shorter drafter could not hold the requests the target admits.
+        raise ValueError(
+            f"drafter.max_seq_len={drafter.max_seq_len} must be >= target.max_seq_len="
+            f"{validated.target.max_seq_len} (unset = the target's)"
+        )
     if validated.spec.lossy:
         raise ValueError("spec.lossy=true: specd has no lossy verification mode; every mode is exact")
     if not validated.spec.gamma_min <= validated.spec.gamma <= validated.spec.gamma_max:

@@ -45,6 +45,8 @@ class DraftWorker:
             cfg, target_model_dir=str(target_model_dir), cache_dir=cache_dir, seed=seed
         )
         self.spec = spec
+        # The context both caches have (the drafter's follows the target's; configs.load_config).
+        self.max_seq_len: int | None = getattr(cfg, "max_seq_len", None)
         self.requests: dict[str, _DraftRequest] = {}
         self._busy = 0.0
 
@@ -97,11 +99,13 @@ class DraftWorker:
                 r.policy.observe(r.state, r.last_drafted, item.commit_accepted, depth=r.last_depth)
                 r.generated += len(item.commit_tokens)
             remaining = r.request.max_new_tokens - r.generated
+            room = self._kv_room(r, remaining)
             if r.request.spec.tree_width > 1:
                 depth, width = r.policy.plan_tree(r.state, remaining)
-                trees.setdefault(r.request.spec.policy, []).append((item, r, min(depth, item.gamma), width))
+                depth, width = fit_tree(min(depth, item.gamma), width, room)
+                trees.setdefault(r.request.spec.policy, []).append((item, r, depth, width))
             else:
-                gamma = min(r.policy.plan(r.state, remaining), item.gamma)
+                gamma = min(r.policy.plan(r.state, remaining), item.gamma, room)
                 chains.setdefault(r.request.spec.policy, []).append((item, r, gamma))
         drafts: dict[str, Draft] = {}
         # Requests that share a policy kind are drafted in one batch (their states stay per request).
@@ -111,6 +115,15 @@ class DraftWorker:
             self._propose_trees(group, drafts)
         self._busy += time.perf_counter() - t0
         return [drafts[item.request_id] for item in items]
+
+    def _kv_room(self, r: _DraftRequest, remaining: int) -> int:
+        """Draft nodes this step may add: the target writes 1 + nodes positions after the committed
+        context (prompt + generated - 1). At least `remaining`, since every request is admitted with
+        prompt + max_new_tokens <= max_seq_len; more when the context is known to leave more."""
+        if self.max_seq_len is None:
+            return remaining
+        context = len(r.request.prompt_token_ids) + r.generated
+        return max(remaining, self.max_seq_len - context)
 
     def _propose_chains(self, group, drafts: dict[str, Draft]) -> None:
         rids = [item.request_id for item, _, _ in group]
@@ -150,6 +163,16 @@ def _drafter_class(kind: str):
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter kind {kind!r}; known: {sorted(DRAFTERS)}")
     return DRAFTERS[kind]
+
+
+def fit_tree(depth: int, width: int, room: int) -> tuple[int, int]:
+    """(depth, width) of a tree of width * depth draft nodes within `room` nodes: shallower first,
+    then narrower (one level of `room` candidates)."""
+    if width * depth <= room:
+        return depth, width
+    if room >= width:
+        return room // width, width
+    return (1, room) if room > 0 else (0, 1)
 
 
 def _depth(parents: list[int]) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from workers.core.kv_cache import KVCache
+from workers.core.kv_cache import CacheFullError, KVCache
 from workers.models.llama import Llama, iter_safetensors, safetensors_files
 
 
@@ -146,6 +146,15 @@ class ModelRunner:
         self, slots, tokens, logit_index=None, features=None, staleness=None, return_hidden=False
     ):
         counts = [len(t) for t in tokens]
+        groups = self._fitting_groups(slots, counts)
+        if groups is not None:
+            def part(rows):
+                pick = [slots[i] for i in rows], [tokens[i] for i in rows]
+                index = None if logit_index is None else logit_index[rows]
+                feats = None if features is None else [features[i] for i in rows]
+                stale = None if staleness is None else [staleness[i] for i in rows]
+                return self._extend(*pick, index, feats, stale, return_hidden)
+            return self._merge_rows(groups, [part(g) for g in groups], len(slots), return_hidden)
         n = max(counts)
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=self.device)  # [b, n]
         starts = self.cache.lengths[slots]  # [b]
@@ -159,6 +168,40 @@ class ModelRunner:
         )
         self.cache.lengths[slots] = starts + torch.tensor(counts)
         return out
+
+    def _fitting_groups(self, slots: list[int], counts: list[int]) -> list[list[int]] | None:
+        """None when one forward fits; else row groups that each fit, for one forward per group.
+
+        A forward writes every row n = max(counts) positions (padding included), so a row in its last
+        positions batched with a wider neighbour would write past its slot: such rows go in a later
+        forward of their own width. Only a row whose own tokens do not fit raises CacheFullError.
+        """
+        cap = self.cache.max_seq_len
+        starts = self.cache.lengths[slots].tolist()
+        if max(starts) + max(counts) <= cap:
+            return None
+        for start, count in zip(starts, counts, strict=True):
+            if start + count > cap:
+                raise CacheFullError(f"{start} + {count} new tokens exceed max_seq_len {cap}")
+        groups, rows = [], list(range(len(slots)))
+        while rows:
+            width = max(counts[i] for i in rows)
+            groups.append([i for i in rows if starts[i] + width <= cap])  # the widest row always fits
+            rows = [i for i in rows if starts[i] + width > cap]
+        return groups
+
+    @staticmethod
+    def _merge_rows(groups, outs, batch: int, return_hidden: bool):
+        """Put the per-group outputs ([rows, n_g, ...], or (logits, hidden)) back in row order, padded."""
+        parts = [o if return_hidden else (o,) for o in outs]
+        merged = []
+        for k in range(len(parts[0])):
+            width = max(p[k].shape[1] for p in parts)
+            full = parts[0][k].new_zeros(batch, width, *parts[0][k].shape[2:])
+            for rows, p in zip(groups, parts, strict=True):
+                full[rows, : p[k].shape[1]] = p[k]
+            merged.append(full)
+        return tuple(merged) if return_hidden else merged[0]
 
     def _feature_inputs(self, features, staleness, counts, n):
         """Right-padded [b, n, hidden] features and [b, n] staleness (0 = fresh) on the device."""
@@ -202,6 +245,16 @@ class ModelRunner:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Batched extend_tree over several slots (trees padded to the largest): [b, n_max, vocab]."""
         sizes = [len(t) for t in trees_tokens]
+        groups = self._fitting_groups(slots, sizes)
+        if groups is not None:
+            outs = [
+                self.extend_trees(
+                    [slots[i] for i in g], [trees_tokens[i] for i in g], [trees_parents[i] for i in g],
+                    return_hidden=return_hidden,
+                )
+                for g in groups
+            ]
+            return self._merge_rows(groups, outs, len(slots), return_hidden)
         n = max(sizes)
         b = len(slots)
         ids = torch.zeros(b, n, dtype=torch.long)

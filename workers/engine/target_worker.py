@@ -229,6 +229,7 @@ class TargetWorker:
     def _verify_tree(self, draft: Draft, return_hidden: bool) -> VerifyResult:
         run = self.running[draft.request_id]
         start = self.runner.length(run.slot)
+        draft = _fit_tree(draft, self.runner.max_seq_len - start - 1)
         tokens = torch.tensor([run.pending, *draft.tokens], dtype=torch.long)     # [n]
         parents = torch.tensor([-1, *draft.parents[1:]], dtype=torch.long)        # [n]
         tree = TokenTree(tokens=tokens, parents=parents)
@@ -253,3 +254,16 @@ class TargetWorker:
             # the root and each accepted node predicted the next token on the path
             hidden=hidden[[0, *out.accepted_nodes]].float().cpu() if return_hidden else None,
         )
+
+
+def _fit_tree(draft: Draft, room: int) -> Draft:
+    """Keep the first `room` draft nodes when the tree does not fit the slot (a drafter planning with a
+    longer context than this target's). Nodes are in topological order, so a prefix is a tree in which
+    each node keeps a prefix of its children, in the order they were drafted: the verifier tries
+    children in that order, each against q given the earlier siblings, so it stays exact, as if the
+    drafter had drafted fewer nodes."""
+    if len(draft.tokens) <= room:
+        return draft
+    probs = None if draft.probs is None else draft.probs[:room]
+    parents = draft.parents[: room + 1]
+    return Draft(draft.request_id, draft.tokens[:room], probs, parents, draft.drafter_version)
