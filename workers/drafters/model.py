@@ -94,6 +94,8 @@ class ModelDrafter(Drafter):
         self.uses_target_hidden = self.runner.model.feature_proj is not None
         self.hidden_size = self.runner.model.cfg.hidden_size
         self.seed = seed
+        # Unseeded requests draw from the drafter's own stream, seeded by its worker (one per replica).
+        self.unseeded = make_generator(seed)
         self.seqs: dict[str, _DraftSeq] = {}
 
     @classmethod
@@ -127,7 +129,7 @@ class ModelDrafter(Drafter):
             prefix = None if feats is None else [feats[:-1]]
             self.runner.prefill([slot], [prompt_tokens[:-1]], features=prefix)
         # The drafter's randomness is its own stream: seeded requests stay reproducible end to end.
-        gen = make_generator(None if seed is None else (seed + 0x5EED) % SEED_RANGE)
+        gen = self.unseeded if seed is None else make_generator((seed + 0x5EED) % SEED_RANGE)
         self.seqs[request_id] = _DraftSeq(
             slot, gen, feed=[prompt_tokens[-1]], feed_hidden=None if feats is None else feats[-1:]
         )

@@ -68,6 +68,9 @@ class TargetWorker:
         )
         self.running: dict[str, _Running] = {}
         self._busy = 0.0
+        # Unseeded requests draw from this worker's own stream (not torch's global one), so replicas,
+        # seeded apart by cluster/actors.py, never draw the same numbers.
+        self.unseeded = make_generator(seed)
 
     # ---- introspection -------------------------------------------------------------------------
     def info(self) -> dict:
@@ -128,7 +131,7 @@ class TargetWorker:
                 else:
                     logits = self.runner.prefill(slots, prompts)  # [b, vocab]
                 params = [r.sampling for r in requests]
-                generators = [make_generator(p.seed) for p in params]
+                generators = [make_generator(p.seed) or self.unseeded for p in params]
                 probs = self._probs(logits[:, None, :], params)[:, 0]                      # [b, vocab]
                 first = sample(probs, generators).tolist()
         except Exception:
