@@ -72,8 +72,11 @@ def init_ray(cfg: SpecdConfig) -> bool:
     return True
 
 
-def _bundle(num_cpus: float, num_gpus: float) -> dict[str, float]:
+def _bundle(num_cpus: float, num_gpus: float, resources: dict | None = None) -> dict[str, float]:
+    """resources: custom Ray resources (e.g. {"specd_target": 1}) that pin the actor to the nodes
+    advertising them, such as the Helm chart's target and draft worker groups."""
     bundle = {"CPU": float(num_cpus), "GPU": float(num_gpus)}
+    bundle.update({str(k): float(v) for k, v in (resources or {}).items()})
     bundle = {k: v for k, v in bundle.items() if v > 0}
     return bundle or {"CPU": _MIN_CPU}
 
@@ -82,8 +85,8 @@ def placement_bundles(cfg: SpecdConfig) -> list[dict[str, float]]:
     """Bundle 2i is replica i's target, bundle 2i+1 its drafter."""
     out = []
     for _ in range(cfg.target.replicas):
-        out.append(_bundle(cfg.target.num_cpus, cfg.target.num_gpus))
-        out.append(_bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus))
+        out.append(_bundle(cfg.target.num_cpus, cfg.target.num_gpus, cfg.target.resources))
+        out.append(_bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus, cfg.drafter.resources))
     return out
 
 
@@ -100,6 +103,7 @@ def _options(bundle: dict[str, float], pg, index: int, name: str) -> dict[str, A
     return {
         "num_cpus": bundle.get("CPU", 0.0),
         "num_gpus": bundle.get("GPU", 0.0),
+        "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
         "name": name,
         "max_restarts": 0,          # a restarted worker would have lost every KV cache: fail loudly
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -109,12 +113,12 @@ def _options(bundle: dict[str, float], pg, index: int, name: str) -> dict[str, A
 
 
 def target_actor_options(cfg: SpecdConfig, pg, replica: int, tag: str = "") -> dict[str, Any]:
-    bundle = _bundle(cfg.target.num_cpus, cfg.target.num_gpus)
+    bundle = _bundle(cfg.target.num_cpus, cfg.target.num_gpus, cfg.target.resources)
     return _options(bundle, pg, 2 * replica, f"specd-target-{replica}{tag}")
 
 
 def drafter_actor_options(cfg: SpecdConfig, pg, replica: int, tag: str = "") -> dict[str, Any]:
-    bundle = _bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus)
+    bundle = _bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus, cfg.drafter.resources)
     return _options(bundle, pg, 2 * replica + 1, f"specd-drafter-{replica}{tag}")
 
 

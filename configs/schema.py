@@ -20,6 +20,9 @@ class TargetConfig:
     dtype: str = "float32"
     num_gpus: float = 0.0               # Ray resource per target replica; 1 on a GPU cluster
     num_cpus: float = 1.0
+    # custom Ray resources per target actor, e.g. {specd_target: 1}: pins it to the nodes that
+    # advertise them (the Helm chart's target worker group); empty = anywhere that has CPU/GPU room
+    resources: dict[str, float] = field(default_factory=dict)
     replicas: int = 1
     max_slots: int = 16                 # concurrent sequences per replica (KV cache slots)
     max_seq_len: int = 2048
@@ -46,6 +49,7 @@ class DrafterConfig:
     pack: str = "int8"
     num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
     num_cpus: float = 1.0
+    resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
     max_slots: int = 16
     # Context of the drafter's KV cache; None = the target's (target.max_seq_len), resolved by
     # configs.load_config. A drafter shorter than the target cannot draft for long requests.

@@ -1,0 +1,249 @@
+"""The Helm chart, without a cluster: Helm's own Go SDK (helm-python-sdk) lints and renders it with
+the default values and three other value sets; every rendered manifest is validated against the
+Kubernetes 1.30 schemas (kubernetes-validate, strict), the RayCluster against KubeRay's CRD schema
+(tests/helm/crds, copied from KubeRay with its licence), and every Hydra override the ConfigMap
+carries is accepted by specd's own config validation (configs.load_config)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+helm_python = pytest.importorskip("helm_python")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+jsonschema = pytest.importorskip("jsonschema")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "specd"
+CRD = Path(__file__).parent / "crds" / "ray.io_rayclusters.yaml"
+K8S_VERSION = "1.30"
+
+VALUE_SETS = {
+    "default": {},
+    # a CPU image, drafters sharing the target pods, external Redis, auth off, user config overrides
+    "cpu-shared-external-redis": {
+        "image": {"flavor": "cpu", "tag": "dev"},
+        "target": {"replicas": 2, "gpus": 0, "cpu": "8", "memory": "24Gi"},
+        "draft": {"shareTargetGPUs": True, "gpuFraction": 0.5},
+        "trainer": {"enabled": False},
+        "auth": {"enabled": False},
+        "tls": {"enabled": True, "existingSecret": "my-tls"},
+        "redis": {"enabled": False, "externalUrl": "rediss://redis.example:6380/0",
+                  "password": {"existingSecret": "redis-creds", "key": "pw"}},
+        "config": {"target.device": "cpu", "drafter.device": "cpu", "drafter.kind": "ngram",
+                   "spec.tree_width": 3, "spec.policy": "egag", "target.max_seq_len": 1024,
+                   "drafter.max_seq_len": None},
+    },
+    # mutual TLS, a persistent Redis, a ServiceMonitor, placement, a given token
+    "mtls-persistent-monitored": {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "target": {"replicas": 3, "gpus": 2, "nodeSelector": {"gpu": "h100"},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        "tls": {"mutual": True},
+        "auth": {"token": "operator-chosen-token"},
+        "redis": {"persistence": {"enabled": True, "size": "20Gi", "storageClass": "fast"}},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+        "router": {"service": {"type": "LoadBalancer"}, "metricsPort": 9100},
+        "config": {"spec.gamma_max": 6, "spec.gamma": 5, "server.max_queue": 128},
+    },
+    # no metrics port: no metrics Service port, no ServiceMonitor even when asked
+    "no-metrics": {"router": {"metricsPort": 0}, "serviceMonitor": {"enabled": True}},
+}
+
+
+def render(values: dict) -> list[dict]:
+    with helm_python.Chart.load(str(CHART)) as chart:
+        out = chart.render(values, name="rel", namespace="specd")
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def strict_schema(schema: dict) -> dict:
+    """The CRD schema as the API server applies it: objects with listed properties take no others
+    (the server prunes unknown fields, which would silently drop a typo)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if (node.get("type") == "object" and "properties" in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node.setdefault("additionalProperties", False)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+@pytest.fixture(scope="module")
+def raycluster_validator():
+    crd = yaml.safe_load(CRD.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    schema = strict_schema(version["schema"]["openAPIV3Schema"])
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request):
+    return request.param, VALUE_SETS[request.param], render(VALUE_SETS[request.param])
+
+
+def test_lint_has_no_warnings_or_errors() -> None:
+    for name, values in VALUE_SETS.items():
+        report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{K8S_VERSION}.0")
+        assert not report["errors"], (name, report)
+        assert [m for m in report["messages"] if m["severity"] >= 2] == [], (name, report)
+
+
+def test_every_manifest_validates(rendered, raycluster_validator) -> None:
+    name, _, docs = rendered
+    kinds = {d["kind"] for d in docs}
+    assert {"RayCluster", "Service", "ConfigMap"} <= kinds, name
+    for doc in docs:
+        if doc["kind"] == "RayCluster":
+            errors = sorted(raycluster_validator.iter_errors(doc), key=lambda e: list(e.path))
+            assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+        elif doc["kind"] == "ServiceMonitor":
+            # the Prometheus operator's CRD is not vendored here: check the wiring instead
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            assert doc["spec"]["endpoints"][0]["port"] == "metrics"
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_validation_catches_a_bad_manifest(raycluster_validator) -> None:
+    docs = render({})
+    ray = copy.deepcopy(by_kind(docs, "RayCluster")[0])
+    ray["spec"]["workerGroupSpecs"][0]["replicaz"] = 1
+    assert list(raycluster_validator.iter_errors(ray))
+    svc = copy.deepcopy(by_kind(docs, "Service")[0])
+    svc["spec"]["ports"][0]["port"] = "not-a-port"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(svc, K8S_VERSION, strict=True)
+
+
+def overrides_of(docs: list[dict]) -> list[str]:
+    text = by_kind(docs, "ConfigMap")[0]["data"]["overrides.txt"]
+    return [s.strip() for s in text.splitlines() if s.strip() and not s.startswith("#")]
+
+
+def test_configmap_overrides_pass_specd_validation(rendered) -> None:
+    from cluster.serve import read_overrides_file
+    from configs import load_config
+
+    name, values, docs = rendered
+    lines = overrides_of(docs)
+    cfg = load_config(lines)
+    assert cfg.server.host == "0.0.0.0" and cfg.ray.address == "auto"
+    assert cfg.target.replicas == values.get("target", {}).get("replicas", 1)
+    for key, value in values.get("config", {}).items():
+        section, field = key.split(".")
+        expected = value if value is not None else cfg.target.max_seq_len   # None: follows the target
+        assert getattr(getattr(cfg, section), field) == expected
+    tls = values.get("tls", {})
+    assert (cfg.server.tls_client_ca_file is not None) == bool(tls.get("mutual"))
+    assert (cfg.server.auth_token_file is not None) == values.get("auth", {}).get("enabled", True)
+    # the file the router reads is the same list (serve's reader skips the comment line)
+    text = by_kind(docs, "ConfigMap")[0]["data"]["overrides.txt"]
+    tmp = Path(__file__).parent / f".overrides-{name}.txt"
+    try:
+        tmp.write_text(text)
+        assert read_overrides_file(str(tmp)) == lines
+    finally:
+        tmp.unlink()
+
+
+def test_a_bad_config_value_fails_specd_validation() -> None:
+    from configs import load_config
+
+    lines = overrides_of(render({"config": {"spec.gamma": 99}}))
+    with pytest.raises(ValueError, match="spec.gamma=99"):
+        load_config(lines)
+
+
+def router_container(docs: list[dict]) -> dict:
+    head = by_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]
+    return next(c for c in head["containers"] if c["name"] == "router")
+
+
+def test_router_service_probes_and_secrets_are_wired(rendered) -> None:
+    name, values, docs = rendered
+    cfg_lines = dict(line.split("=", 1) for line in overrides_of(docs))
+    router = router_container(docs)
+    svc = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"].endswith("-router"))
+    grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_port["appProtocol"] == "grpc" and str(grpc_port["port"]) == cfg_lines["server.port"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert str(router[probe]["grpc"]["port"]) == cfg_lines["server.health_port"]
+    assert router["command"][:2] == ["specd", "serve"]
+    mounts = {m["mountPath"] for m in router["volumeMounts"]}
+    assert router["command"][-1] in mounts
+    for key in ("server.tls_cert_file", "server.auth_token_file", "server.tls_client_ca_file"):
+        if key in cfg_lines:
+            assert any(cfg_lines[key].startswith(m + "/") for m in mounts), key
+    secrets = {d["metadata"]["name"]: d for d in by_kind(docs, "Secret")}
+    volumes = router_volumes(docs)
+    for volume in volumes.values():
+        if "secret" in volume and not values.get("tls", {}).get("existingSecret"):
+            assert volume["secret"]["secretName"] in secrets or values.get("auth", {}).get("existingSecret")
+    metrics = values.get("router", {}).get("metricsPort", 9464)
+    assert bool(by_kind(docs, "ServiceMonitor")) == bool(
+        metrics and values.get("serviceMonitor", {}).get("enabled"))
+
+
+def router_volumes(docs: list[dict]) -> dict:
+    head = by_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]
+    return {v["name"]: v for v in head["volumes"]}
+
+
+def test_worker_groups_gpus_and_redis(rendered) -> None:
+    name, values, docs = rendered
+    groups = {g["groupName"]: g for g in by_kind(docs, "RayCluster")[0]["spec"]["workerGroupSpecs"]}
+    shared = values.get("draft", {}).get("shareTargetGPUs", False)
+    expected = {"target"} | ({"draft"} if not shared else set())
+    expected |= {"trainer"} if values.get("trainer", {}).get("enabled", True) else set()
+    assert set(groups) == expected
+    target_gpus = values.get("target", {}).get("gpus", 1)
+    limits = groups["target"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu", 0) == target_gpus
+    cfg_lines = overrides_of(docs)
+    advertised = json.loads(groups["target"]["rayStartParams"]["resources"])
+    asked = sum(1 for line in cfg_lines if line.startswith(("+target.resources.specd_target",
+                                                              "+drafter.resources.specd_target")))
+    assert advertised["specd_target"] == asked     # a shared pod fits its target and its drafter
+    redis = values.get("redis", {})
+    statefulsets = by_kind(docs, "StatefulSet")
+    assert bool(statefulsets) == redis.get("enabled", True)
+    if statefulsets:
+        claims = statefulsets[0]["spec"].get("volumeClaimTemplates", [])
+        assert bool(claims) == redis.get("persistence", {}).get("enabled", False)
+        env = statefulsets[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert env[0]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+    url = next(e["value"] for e in router_container(docs)["env"] if e["name"] == "SPECD_REDIS_URL")
+    assert url == redis.get("externalUrl") or url.startswith("redis://rel-specd-redis.specd.svc")
+
+
+@pytest.mark.parametrize("bad", [
+    {"image": {"flavor": "rocm"}},
+    {"target": {"replicas": 0}},
+    {"redis": {"enabled": False}},             # no external URL either
+    {"config": {"Spec Gamma": 3}},
+    {"unknownTopLevel": 1},
+])
+def test_values_schema_rejects_bad_values(bad) -> None:
+    with pytest.raises(helm_python.HelmError):
+        render(bad)
