@@ -14,6 +14,7 @@ _COMMAND_MODULES = (
     "cluster.bench_engine",
     "cluster.bench_serve",
     "drafter_trainer.cli",
+    "cluster.trainer_actor",
 )
 
 

@@ -148,6 +148,7 @@ class TrainerConfig:
     jsd_beta: float = 0.5               # jsd: mixture weight of the teacher
     positions: str = "all"              # all verified positions, or "rejected": weighted toward rejections
     accepted_weight: float = 0.2        # positions=rejected: weight of positions whose draft was accepted
+    teacher_topk: int = 32              # the teacher forward keeps the target's top-k per position
     lr: float = 1e-4
     weight_decay: float = 0.0
     batch_records: int = 8              # records per optimizer step

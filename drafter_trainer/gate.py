@@ -1,0 +1,119 @@
+"""The gate (is a candidate drafter better than the serving one?) and the live rollback monitor.
+
+Gate scores on held-out records, teacher-forced along the output the target produced:
+    greedy_match          share of positions where the drafter's argmax is the target's argmax
+    expected_acceptance   mean over positions of Σ_x min(p(x), q(x)), the probability that a token
+                          drafted from q is accepted there, at the first γ draft positions of each step
+    expected_accepted     per step, Σ_{i<γ} Π_{j<=i} α_j over its first γ positions (chain estimate)
+A candidate is published only when its expected acceptance beats the serving version's by a margin.
+
+LiveMonitor watches the acceptance that serving reports per drafter version (from the records' steps)
+and says when a version must be rolled back to its parent.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from drafter_trainer.losses import dense_teacher
+from drafter_trainer.online_data import Example, Student
+
+
+@dataclass
+class GateScore:
+    greedy_match: float
+    expected_acceptance: float
+    expected_accepted: float
+    positions: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {"greedy_match": round(self.greedy_match, 4),
+                "expected_acceptance": round(self.expected_acceptance, 4),
+                "expected_accepted": round(self.expected_accepted, 4), "positions": self.positions}
+
+
+@torch.no_grad()
+def score(student: Student, examples: Sequence[Example], gamma: int, batch: int = 4) -> GateScore:
+    student.train(False)
+    matched = acc_sum = steps_accepted = 0.0
+    positions = steps = 0
+    for start in range(0, len(examples), batch):
+        chunk = list(examples[start : start + batch])
+        logits = student.logits(chunk)  # [Σ n, V_sub]
+        q = F.softmax(logits.float(), -1)
+        row = 0
+        for e in chunk:
+            n = e.n_labels
+            p = dense_teacher(e.topk_logprobs, e.topk_ids, student.vocab_ids, student.vocab_size,
+                              renormalise=False)  # [n, V_sub], the target's own probabilities
+            alpha = torch.minimum(p, q[row : row + n]).sum(-1)  # [n]
+            greedy = student.vocab_ids[logits[row : row + n].argmax(-1)] == e.topk_ids[:, 0]
+            row += n
+            sel = e.in_step & (e.step_position < gamma)
+            matched += float(greedy[sel].sum())
+            acc_sum += float(alpha[sel].sum())
+            positions += int(sel.sum())
+            starts = (sel & (e.step_position == 0)).nonzero().flatten().tolist()
+            for s in starts:
+                run = alpha[s : s + gamma]
+                run = run[: int((e.step_position[s : s + gamma] == torch.arange(run.numel())).sum())]
+                steps_accepted += float(torch.cumprod(run, 0).sum())
+                steps += 1
+    denom = max(1, positions)
+    return GateScore(matched / denom, acc_sum / denom, steps_accepted / max(1, steps), positions)
+
+
+def passes(candidate: GateScore, serving: GateScore, margin: float) -> bool:
+    return candidate.positions > 0 and candidate.expected_acceptance >= serving.expected_acceptance + margin
+
+
+class LiveMonitor:
+    """Acceptance per drafter version from live steps; decides rollbacks.
+
+    A version is rolled back to its parent when, over its last `window` steps, its acceptance rate is
+    below the parent's by more than `margin`; or at once after `collapse_steps` steps when its
+    acceptance is below `collapse_alpha` (mean accepted length near 1: the drafter collapsed)."""
+
+    def __init__(self, window: int = 200, margin: float = 0.05, collapse_steps: int = 50,
+                 collapse_alpha: float = 0.05):
+        self.window = window
+        self.margin = margin
+        self.collapse_steps = collapse_steps
+        self.collapse_alpha = collapse_alpha
+        self._steps: dict[str, deque[tuple[int, int]]] = {}
+        self.totals: dict[str, list[int]] = {}   # version -> [steps, drafted, accepted]
+
+    def observe(self, version: str, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self._steps.setdefault(version, deque(maxlen=self.window)).append((drafted, accepted))
+        t = self.totals.setdefault(version, [0, 0, 0])
+        t[0] += 1
+        t[1] += drafted
+        t[2] += accepted
+
+    def acceptance(self, version: str) -> tuple[float, int]:
+        """(accepted / drafted over the window, steps in the window)."""
+        steps = self._steps.get(version)
+        if not steps:
+            return 0.0, 0
+        drafted = sum(d for d, _ in steps)
+        return sum(a for _, a in steps) / max(1, drafted), len(steps)
+
+    def should_roll_back(self, version: str, parent: str | None) -> str | None:
+        """A reason to roll `version` back to `parent`, or None."""
+        if parent is None:
+            return None
+        alpha, n = self.acceptance(version)
+        if n >= self.collapse_steps and alpha < self.collapse_alpha:
+            return f"collapse: acceptance {alpha:.3f} over {n} steps"
+        parent_alpha, parent_n = self.acceptance(parent)
+        if n >= self.window and parent_n >= min(self.window, self.collapse_steps) and \
+                alpha < parent_alpha - self.margin:
+            return f"acceptance {alpha:.3f} < parent's {parent_alpha:.3f} - {self.margin} over {n} steps"
+        return None

@@ -1,0 +1,245 @@
+"""Online distillation (OSD): the serving drafter learns from the replay stream while specd serves.
+
+One round of the loop (`OnlineTrainer.poll()`):
+  1. read records through the consumer group (replay_source.py); skip records of another target;
+  2. feed each record's live steps (drafter version, drafted, accepted) to the LiveMonitor, and roll
+     the serving version back to its parent when it fell behind it or collapsed (gate.py);
+  3. label each record with the target's signal (online_data.py) and put it in the training buffer,
+     or, every `holdout_every`-th record, in the gate's held-out set;
+  4. every `update_every_records` new records (or `update_every_s` seconds): `steps_per_update`
+     AdamW steps on random batches of the buffer with the configured divergence and position
+     weights; then the gate scores the candidate against the serving version on the held-out
+     records and publishes it when it is better by `gate_margin` (publish.py); then acknowledge
+     the records that round consumed.
+Plain Python: cluster/trainer_actor.py runs it as a Ray actor, `specd train` in a process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafter_trainer.drafter_format import load_drafter
+from drafter_trainer.gate import GateScore, LiveMonitor, passes, score
+from drafter_trainer.losses import dense_teacher, weighted_loss
+from drafter_trainer.online_data import (
+    Example,
+    Student,
+    TargetTeacher,
+    is_held_out,
+    make_example,
+    record_steps,
+)
+from drafter_trainer.publish import VersionStore
+from drafter_trainer.replay_source import ReplaySource
+from proto.replay_codec import ReplayFormatError, decode_record
+from workers.drafters.versions import load_version, target_checksum, version_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerStats:
+    records_seen: int = 0
+    records_skipped: int = 0
+    updates: int = 0
+    optimizer_steps: int = 0
+    last_loss: float = float("nan")
+    losses: list[float] = field(default_factory=list)
+    publishes: int = 0
+    rollbacks: int = 0
+    gate_candidate: dict = field(default_factory=dict)
+    gate_serving: dict = field(default_factory=dict)
+    serving_version: str = ""
+    events: list[dict] = field(default_factory=list)   # publish / rollback / gate_rejected, newest last
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["losses"] = self.losses[-50:]
+        d["events"] = self.events[-50:]
+        return d
+
+
+class OnlineTrainer:
+    def __init__(self, cfg, source: ReplaySource, target_dir: str | Path, base_drafter_dir: str | Path,
+                 store_root: str | Path, *, teacher: TargetTeacher | None = None, seed: int = 0):
+        """cfg: configs.schema.TrainerConfig. base_drafter_dir: the drafter serving starts from (a full
+        drafter directory); it becomes the store's first version when the store is empty."""
+        self.cfg = cfg
+        self.source = source
+        self.target_dir = Path(target_dir)
+        self.store = VersionStore(store_root, keep=cfg.keep_versions)
+        self.target_checksum = target_checksum(self.target_dir)
+        self.teacher = teacher or TargetTeacher(self.target_dir, top_k=cfg.teacher_topk, device=cfg.device)
+        self.stats = TrainerStats()
+        self.monitor = LiveMonitor(cfg.rollback_window_steps, cfg.rollback_margin, cfg.collapse_steps,
+                                   cfg.collapse_alpha)
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        if self.store.current() is None:
+            state, config, meta = load_drafter(base_drafter_dir)
+            self.store.publish(state, config, version=meta.get("version"), parent=None,
+                               target_checksum=self.target_checksum, origin=str(base_drafter_dir))
+        self.serving = self._load(self.store.current())
+        self.candidate = self._load(self.store.current())
+        self.stats.serving_version = self.store.current()
+        self.optimizer = self._optimizer()
+        self.buffer: deque[Example] = deque(maxlen=cfg.buffer_records)
+        self.holdout: deque[Example] = deque(maxlen=cfg.holdout_records)
+        self._unacked: list[str] = []
+        self._new = 0
+        self._last_update = time.monotonic()
+        source.ensure_group()
+
+    # ---- versions ------------------------------------------------------------------------------
+    def _load(self, version: str) -> Student:
+        tensors, _ = load_version(version_dir(self.store.root, version), self.target_dir)
+        config = _read_config(version_dir(self.store.root, version))
+        return Student(config, tensors)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.cfg
+        return torch.optim.AdamW(self.candidate.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    @property
+    def serving_version(self) -> str:
+        return self.stats.serving_version
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def poll(self, block_ms: int = 1000, count: int = 64) -> int:
+        """One round: read, monitor, label, maybe update. Returns the number of records read."""
+        entries = self.source.read(count=count, block_ms=block_ms)
+        for entry_id, data in entries:
+            self._ingest(entry_id, data)
+        self._check_rollback()
+        due = self._new >= self.cfg.update_every_records or (
+            self._new > 0 and time.monotonic() - self._last_update >= self.cfg.update_every_s)
+        if due and self.buffer:
+            self.update()
+        return len(entries)
+
+    def _ingest(self, entry_id: str, data: bytes) -> None:
+        self._unacked.append(entry_id)
+        try:
+            record = decode_record(data)
+        except ReplayFormatError as exc:
+            log.warning("trainer: skipping entry %s: %s", entry_id, exc)
+            self.stats.records_skipped += 1
+            return
+        if record.target_checksum and record.target_checksum != self.target_checksum:
+            self.stats.records_skipped += 1
+            return
+        for _, drafted, accepted, version in record_steps(record):
+            self.monitor.observe(version, drafted, accepted)
+        example = make_example(entry_id, record, self.teacher, positions=self.cfg.positions,
+                               accepted_weight=self.cfg.accepted_weight, need_hidden=self.serving.hidden)
+        self.stats.records_seen += 1
+        if example is None:
+            return
+        if is_held_out(entry_id, self.cfg.holdout_every):
+            self.holdout.append(example)
+        else:
+            self.buffer.append(example)
+            self._new += 1
+
+    def train_steps(self, steps: int, examples: list[Example] | None = None) -> list[float]:
+        """`steps` AdamW steps on random batches of `examples` (default: the buffer)."""
+        pool = list(examples if examples is not None else self.buffer)
+        losses = []
+        self.candidate.train(True)
+        params = self.candidate.parameters()
+        for _ in range(steps):
+            batch = self.rng.sample(pool, min(self.cfg.batch_records, len(pool)))
+            logits = self.candidate.logits(batch, gen=self.gen)  # [Σ n, V_sub]
+            p = torch.cat([dense_teacher(e.topk_logprobs, e.topk_ids, self.candidate.vocab_ids,
+                                         self.candidate.vocab_size) for e in batch])
+            w = torch.cat([e.weights for e in batch])
+            loss = weighted_loss(logits, p, w, self.cfg.divergence, self.cfg.jsd_beta)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+        self.candidate.train(False)
+        self.stats.optimizer_steps += steps
+        self.stats.losses += losses
+        if losses:
+            self.stats.last_loss = losses[-1]
+        return losses
+
+    def update(self) -> str | None:
+        """Train, gate, maybe publish; acknowledge what this round consumed. Returns a published version."""
+        consumed, self._unacked = self._unacked, []
+        self.train_steps(self.cfg.steps_per_update)
+        self.stats.updates += 1
+        self._new = 0
+        self._last_update = time.monotonic()
+        published = self.gate_and_publish()
+        self.source.ack(consumed)
+        return published
+
+    def gate_and_publish(self) -> str | None:
+        if not self.holdout:
+            return None
+        held = list(self.holdout)
+        cand = score(self.candidate, held, self.cfg.gate_gamma)
+        serv = score(self.serving, held, self.cfg.gate_gamma)
+        self.stats.gate_candidate, self.stats.gate_serving = cand.as_dict(), serv.as_dict()
+        if not passes(cand, serv, self.cfg.gate_margin):
+            self._event("gate_rejected", candidate=cand.as_dict(), serving=serv.as_dict())
+            return None
+        return self._publish(cand, serv)
+
+    def _publish(self, cand: GateScore, serv: GateScore) -> str:
+        parent = self.serving_version
+        version = self.store.publish(
+            self.candidate.state_dict(), self.candidate.config, version=None, parent=parent,
+            target_checksum=self.target_checksum, records_seen=self.stats.records_seen,
+            gate={"candidate": cand.as_dict(), "serving": serv.as_dict(), "margin": self.cfg.gate_margin},
+            train={"divergence": self.cfg.divergence, "positions": self.cfg.positions, "lr": self.cfg.lr,
+                   "optimizer_steps": self.stats.optimizer_steps},
+        )
+        self.serving.load_state_dict(self.candidate.state_dict())
+        self.stats.serving_version = version
+        self.stats.publishes += 1
+        self._event("publish", version=version, parent=parent, candidate=cand.as_dict(),
+                    serving=serv.as_dict())
+        log.info("trainer: published %s (parent %s): expected acceptance %.4f vs %.4f", version, parent,
+                 cand.expected_acceptance, serv.expected_acceptance)
+        return version
+
+    def _check_rollback(self) -> None:
+        version = self.serving_version
+        parent = self.store.meta(version).get("parent_version")
+        reason = self.monitor.should_roll_back(version, parent)
+        if reason is None:
+            return
+        parent = self.store.roll_back(version)
+        self.serving = self._load(parent)
+        self.candidate = self._load(parent)
+        self.optimizer = self._optimizer()
+        self.stats.serving_version = parent
+        self.stats.rollbacks += 1
+        self._event("rollback", version=version, parent=parent, reason=reason)
+        log.warning("trainer: rolled %s back to %s: %s", version, parent, reason)
+
+    def _event(self, kind: str, **data) -> None:
+        self.stats.events.append({"event": kind, "time": time.time(), "records_seen": self.stats.records_seen,
+                                  **data})
+
+    def run(self, stop=None, block_ms: int = 1000) -> None:
+        """poll() until stop() is true (or forever)."""
+        while stop is None or not stop():
+            self.poll(block_ms=block_ms)
+
+
+def _read_config(vdir: Path) -> dict:
+    return json.loads((vdir / "config.json").read_text())

@@ -1,0 +1,203 @@
+"""Replay records -> training examples with the target's signal, and the drafter as a trainable student.
+
+The target's signal is recomputed here with one teacher forward over prompt + output (see
+proto/specd/v1/replay.proto for why), which also yields the target's hidden states a hidden-state
+drafter reads. A record that already carries the target's top-k (the vLLM backend) skips the forward
+unless hidden states are needed.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from drafter_trainer.distill import DrafterLM
+from drafter_trainer.hidden_stage import HiddenDrafterLM, input_features
+from drafter_trainer.losses import position_weights
+from proto.replay_codec import tensor_to_torch
+from proto.specd.v1.replay_pb2 import ReplayRecord
+
+FEATURE_PROJ = "model.feature_proj.weight"
+
+
+@dataclass
+class Example:
+    """One served request, teacher-labelled. Labels are the output positions: label j is the target's
+    distribution of output token j, predicted at sequence index first_label + j."""
+
+    entry_id: str
+    token_ids: torch.Tensor  # [L] int64, prompt + output
+    first_label: int  # len(prompt) - 1
+    topk_logprobs: torch.Tensor  # [n, k] float32, n = len(output)
+    topk_ids: torch.Tensor  # [n, k] int64
+    weights: torch.Tensor  # [n] position weights (losses.position_weights)
+    step_position: torch.Tensor  # [n] int64: index of the label within its step's drafts (0 = first)
+    in_step: torch.Tensor  # [n] bool: the label was verified by a step that drafted
+    states: torch.Tensor | None = None  # [L, H] bfloat16 target final hidden states
+    domain: str = ""
+    versions: list[tuple[str, int, int]] = field(default_factory=list)  # (version, drafted, accepted)
+
+    @property
+    def n_labels(self) -> int:
+        return int(self.topk_ids.shape[0])
+
+
+def record_steps(record: ReplayRecord) -> list[tuple[int, int, int, str]]:
+    """(output_offset, drafted, accepted, drafter version) per step; a tree counts its accepted path."""
+    names = list(record.drafter_versions)
+    out = []
+    for s in record.steps:
+        drafted = int(s.accepted) + (0 if s.bonus else 1) if s.parents else len(s.drafted)
+        drafted = min(drafted, len(s.drafted))
+        version = names[s.drafter_version] if names else ""
+        out.append((int(s.output_offset), drafted, int(s.accepted), version))
+    return out
+
+
+class TargetTeacher:
+    """The target on the trainer's device: top-k log-probabilities (and hidden states) of whole records."""
+
+    def __init__(self, target_dir: str | Path, top_k: int = 32, device: str = "cpu", max_seq_len: int = 4096,
+                 chunk: int = 256):
+        from workers.engine.runner import ModelRunner
+
+        self.runner = ModelRunner(target_dir, device=device, max_slots=1, max_seq_len=max_seq_len)
+        self.top_k = top_k
+        self.chunk = chunk
+        self.max_seq_len = max_seq_len
+
+    @torch.inference_mode()
+    def label(self, token_ids: list[int], first_label: int, need_hidden: bool):
+        """(topk_logprobs [n, k], topk_ids [n, k], states [L, H] or None) for positions first_label.."""
+        slot = self.runner.allocate()
+        lps, ids, states = [], [], []
+        try:
+            for begin in range(0, len(token_ids), self.chunk):
+                chunk = token_ids[begin : begin + self.chunk]
+                logits, hidden = self.runner.extend([slot], [chunk], return_hidden=True)
+                lo = max(first_label - begin, 0)
+                rows = logits[0, lo : len(chunk)]  # [m, V] predicting tokens begin+lo+1 ..
+                if rows.shape[0]:
+                    v, i = F.log_softmax(rows.float(), -1).topk(self.top_k, -1)
+                    lps.append(v)
+                    ids.append(i)
+                if need_hidden:
+                    states.append(hidden[0, : len(chunk)].to(torch.bfloat16))
+        finally:
+            self.runner.free(slot)
+        n = len(token_ids) - 1 - first_label  # the last token predicts nothing we keep
+        lp, ix = torch.cat(lps)[:n], torch.cat(ids)[:n]
+        return lp, ix.long(), torch.cat(states) if need_hidden else None
+
+
+def make_example(entry_id: str, record: ReplayRecord, teacher: TargetTeacher | None, *, positions: str,
+                 accepted_weight: float, need_hidden: bool) -> Example | None:
+    """None for a record with nothing to learn from (no output beyond the first token)."""
+    prompt, output = list(record.prompt_token_ids), list(record.output_token_ids)
+    if len(output) < 2 or not prompt:
+        return None
+    tokens = prompt + output
+    first = len(prompt) - 1
+    steps = record_steps(record)
+    n = len(output)
+    if record.HasField("teacher") and not need_hidden and record.teacher.first_output_position == 0:
+        lp = tensor_to_torch(record.teacher.logprobs).float()[:n]
+        ix = tensor_to_torch(record.teacher.ids).long()[:n]
+        states = None
+    else:
+        if teacher is None:
+            raise ValueError("records without the target's top-k need a TargetTeacher")
+        if len(tokens) > teacher.max_seq_len:
+            return None
+        lp, ix, states = teacher.label(tokens, first, need_hidden)
+    n = min(n, lp.shape[0])
+    step_position = torch.zeros(n, dtype=torch.long)
+    in_step = torch.zeros(n, dtype=torch.bool)
+    for offset, drafted, accepted, _ in steps:
+        end = min(offset + accepted + 1, n)
+        if offset < end:
+            step_position[offset:end] = torch.arange(end - offset)
+            in_step[offset:end] = drafted > 0
+    weights = position_weights(n, [(o, d, a) for o, d, a, _ in steps], positions, accepted_weight)[:n]
+    return Example(
+        entry_id=entry_id, token_ids=torch.tensor(tokens[: first + 1 + n]), first_label=first,
+        topk_logprobs=lp[:n], topk_ids=ix[:n], weights=weights, step_position=step_position,
+        in_step=in_step, states=states, domain=record.domain,
+        versions=[(v, d, a) for _, d, a, v in steps],
+    )
+
+
+class Student:
+    """The drafter being trained: a token drafter (DrafterLM) or a hidden-state one (HiddenDrafterLM).
+
+    Its frozen part, the embedding taken from the target, is never trained."""
+
+    def __init__(self, config: dict, state_dict: dict[str, torch.Tensor]):
+        base = DrafterLM(config, state_dict["draft_vocab_ids"])
+        self.hidden = FEATURE_PROJ in state_dict
+        if self.hidden:
+            staleness = int(state_dict["model.feature_staleness"].shape[0])
+            self.module = HiddenDrafterLM(base, staleness)
+            self.module.config = dict(config)
+        else:
+            self.module = base
+        base.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+        base.freeze_embeddings()
+        self.base = base
+        self.config = dict(config)
+        self.vocab_ids = base.draft_vocab_ids
+        self.vocab_size = int(config["vocab_size"])
+
+    def parameters(self):
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.base.state_dict().items()}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.base.load_state_dict(sd, strict=True)
+
+    def train(self, mode: bool = True) -> None:
+        self.module.train(mode)
+
+    def logits(self, examples: list[Example], gen: torch.Generator | None = None,
+               fresh_fraction: float = 0.5) -> torch.Tensor:
+        """Student logits at every label of `examples`, concatenated in order: [Σ n, V_sub].
+
+        A hidden-state drafter reads, at the label's input, the state the serving drafter would read:
+        with gen None the k-th draft of a step reads a state k steps stale (as in serving); with gen,
+        a random mix of fresh and stale states (as the bootstrap trained it)."""
+        t = max(int(e.token_ids.numel()) for e in examples)
+        ids = torch.zeros(len(examples), t, dtype=torch.long)
+        mask = torch.zeros(len(examples), t, dtype=torch.bool)
+        feats = stale = None
+        if self.hidden:
+            hsize = self.base.model.config.hidden_size
+            feats = torch.zeros(len(examples), t, hsize)
+            stale = torch.zeros(len(examples), t, dtype=torch.long)
+        for b, e in enumerate(examples):
+            n_tok = int(e.token_ids.numel())
+            ids[b, :n_tok] = e.token_ids
+            mask[b, e.first_label : e.first_label + e.n_labels] = True
+            if self.hidden:
+                s = torch.zeros(n_tok, dtype=torch.long)
+                if gen is None:
+                    s[e.first_label : e.first_label + e.n_labels] = e.step_position
+                else:
+                    drawn = torch.randint(1, self.module.staleness, (n_tok,), generator=gen)
+                    s = torch.where(torch.rand(n_tok, generator=gen) < fresh_fraction, 0, drawn)
+                s = s.clamp(max=self.module.staleness - 1)
+                stale[b, :n_tok] = s
+                feats[b, :n_tok] = input_features(e.states.float(), s)
+        h = self.module.hidden_states(ids, feats, stale) if self.hidden else self.base.hidden_states(ids)
+        return self.base.lm_head(h[mask])
+
+
+def is_held_out(entry_id: str, every: int) -> bool:
+    """Every `every`-th record, chosen by a stable hash of its stream id, goes to the gate, never to
+    training; stable across restarts, so a resumed trainer never trains on what it scored before."""
+    return every > 0 and zlib.crc32(entry_id.encode()) % every == 0

@@ -1,0 +1,75 @@
+"""Reading the replay stream through a Redis consumer group: at least once, resumable.
+
+A trainer reads with XREADGROUP as consumer `consumer` of group `group`. Entries it has read but not
+acknowledged (XACK) stay in its pending list; after a restart it first reads its own pending entries
+(id 0) and only then new ones (id >), so nothing it had not finished with is lost. It acknowledges an
+entry only once the entry's record is in its training state (after an update round), which makes the
+delivery at least once: a crash between reading and acknowledging replays the entry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+log = logging.getLogger(__name__)
+RECORD_FIELD = b"r"
+
+
+class ReplaySource:
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str):
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self._pending_cursor: str | None = "0"   # None once this consumer's pending list is re-read
+
+    def ensure_group(self) -> None:
+        """Create the group at the start of the stream (the stream too) unless it exists."""
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int = 64, block_ms: int = 1000) -> list[tuple[str, bytes]]:
+        """Up to `count` (entry id, record bytes): this consumer's pending entries first, then new ones."""
+        if self._pending_cursor is not None:
+            # id 0 re-reads the pending list from its start; the cursor walks it once
+            got = self._read(self._pending_cursor, count, None)
+            if got:
+                self._pending_cursor = got[-1][0]
+                return got
+            self._pending_cursor = None
+        return self._read(">", count, block_ms)
+
+    def _read(self, start: str, count: int, block_ms: int | None) -> list[tuple[str, bytes]]:
+        try:
+            reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count,
+                                           block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):          # the stream was deleted (e.g. a fresh managed Redis)
+                self.ensure_group()
+                return []
+            raise
+        out = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                data = (fields or {}).get(RECORD_FIELD)
+                if data is None:
+                    # trimmed by MAXLEN while pending: nothing left to train on, acknowledge it away
+                    self.ack([eid])
+                    continue
+                out.append((eid, data))
+        return out
+
+    def ack(self, entry_ids: list[str]) -> int:
+        if not entry_ids:
+            return 0
+        return int(self.client.xack(self.stream, self.group, *entry_ids))
+
+    def pending(self) -> int:
+        """Entries of the group read but not acknowledged."""
+        return int(self.client.xpending(self.stream, self.group)["pending"])

@@ -1,0 +1,158 @@
+"""Online distillation on tiny models with a real redis-server: loss falls on a fixed buffer, the gate
+rejects a worse candidate and publishes a better one, records flow through the consumer group and are
+acknowledged, and a collapsed version is rolled back to its parent."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cluster.redis_server import ManagedRedis
+from configs.schema import TrainerConfig
+from drafter_trainer.gate import LiveMonitor, score
+from drafter_trainer.online import OnlineTrainer
+from drafter_trainer.online_data import TargetTeacher, make_example
+from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
+from proto.replay_codec import encode_record
+from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
+from workers.drafters.versions import read_current, target_checksum
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+
+CFG = TrainerConfig(lr=3e-3, batch_records=4, steps_per_update=10, update_every_records=8,
+                    holdout_every=4, gate_margin=0.0, collapse_steps=20, rollback_window_steps=40)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with ManagedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def continuations(tiny_llama_dir):
+    return greedy_continuations(tiny_llama_dir, 24)
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_llama_dir):
+    return TargetTeacher(tiny_llama_dir, top_k=8, max_seq_len=128)
+
+
+def _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, hidden=False, cfg=CFG, stream="s"):
+    base = make_tiny_drafter(tiny_llama_dir, tmp_path / "base", hidden=hidden)
+    source = ReplaySource(redis_server.endpoint.client(), stream, cfg.group, cfg.consumer)
+    return OnlineTrainer(cfg, source, tiny_llama_dir, base, tmp_path / "store", teacher=teacher)
+
+
+def _examples(trainer, continuations, teacher):
+    version = trainer.serving_version
+    return [
+        make_example(f"{i}-0", make_record(i, p, o, version), teacher, positions="all",
+                     accepted_weight=0.2, need_hidden=trainer.serving.hidden)
+        for i, (p, o) in enumerate(continuations)
+    ]
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", "tvd"])
+def test_loss_falls_on_a_fixed_buffer(tmp_path, tiny_llama_dir, redis_server, teacher, continuations,
+                                      divergence):
+    cfg = replace(CFG, divergence=divergence)
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, cfg=cfg, stream=f"s-{divergence}")
+    examples = _examples(trainer, continuations[:8], teacher)
+    embed = trainer.candidate.base.model.embed_tokens.weight.clone()
+    losses = trainer.train_steps(40, examples)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert torch.equal(trainer.candidate.base.model.embed_tokens.weight, embed)  # the target's: frozen
+
+
+def test_hidden_drafter_trains_and_scores(tmp_path, tiny_llama_dir, redis_server, teacher, continuations):
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, hidden=True, stream="s-hidden")
+    examples = _examples(trainer, continuations[:8], teacher)
+    assert trainer.serving.hidden and examples[0].states is not None
+    before = score(trainer.candidate, examples, gamma=3)
+    losses = trainer.train_steps(40, examples)
+    after = score(trainer.candidate, examples, gamma=3)
+    assert losses[-1] < losses[0]
+    assert after.expected_acceptance > before.expected_acceptance
+
+
+def test_gate_rejects_a_worse_candidate_and_publishes_a_better_one(tmp_path, tiny_llama_dir, redis_server,
+                                                                   teacher, continuations):
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, stream="s-gate")
+    examples = _examples(trainer, continuations, teacher)
+    trainer.holdout.extend(examples[:6])
+    base_version = trainer.serving_version
+    with torch.no_grad():                     # a worse candidate: its layer weights scrambled
+        for p in trainer.candidate.parameters():
+            p.add_(torch.randn_like(p) * 2.0)
+    assert trainer.gate_and_publish() is None
+    assert read_current(trainer.store.root) == base_version
+    assert trainer.stats.events[-1]["event"] == "gate_rejected"
+
+    trainer.candidate.load_state_dict(trainer.serving.state_dict())
+    trainer.optimizer = trainer._optimizer()
+    trainer.train_steps(60, examples[6:])
+    version = trainer.gate_and_publish()
+    assert version is not None and read_current(trainer.store.root) == version
+    meta = trainer.store.meta(version)
+    assert meta["parent_version"] == base_version
+    assert meta["target_checksum"] == target_checksum(tiny_llama_dir)
+    assert meta["gate"]["candidate"]["expected_acceptance"] > meta["gate"]["serving"]["expected_acceptance"]
+    files = trainer.store.root / "versions" / version
+    from safetensors import safe_open
+
+    with safe_open(str(files / "model.safetensors"), framework="pt") as f:
+        assert "model.embed_tokens.weight" not in f.keys()  # noqa: SIM118 (the target's: referenced)
+
+
+def test_records_flow_through_the_group_and_are_acknowledged(tmp_path, tiny_llama_dir, redis_server, teacher,
+                                                             continuations):
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, stream="s-flow")
+    client = redis_server.endpoint.client()
+    checksum = target_checksum(tiny_llama_dir)
+    for i, (p, o) in enumerate(continuations):
+        client.xadd("s-flow", {RECORD_FIELD: encode_record(make_record(i, p, o, trainer.serving_version,
+                                                                     checksum=checksum))})
+    client.xadd("s-flow", {RECORD_FIELD: encode_record(make_record(99, *continuations[0], "x",
+                                                                   checksum="another-target"))})
+    while trainer.poll(block_ms=100):
+        pass
+    assert trainer.stats.records_seen == len(continuations)
+    assert trainer.stats.records_skipped == 1
+    assert trainer.stats.updates == 1 and trainer.holdout and trainer.buffer
+    assert trainer.source.pending() == 0      # acknowledged once the update round consumed them
+
+
+def test_a_collapsed_version_is_rolled_back_to_its_parent(tmp_path, tiny_llama_dir, redis_server, teacher,
+                                                          continuations):
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, stream="s-collapse")
+    parent = trainer.serving_version
+    trainer.holdout.extend(_examples(trainer, continuations[:4], teacher))
+    trainer.train_steps(20, _examples(trainer, continuations[4:12], teacher))
+    bad = trainer.gate_and_publish()
+    assert bad is not None
+    client = redis_server.endpoint.client()
+    for i, (p, o) in enumerate(continuations[:3]):        # ~8 steps each, nothing accepted
+        client.xadd("s-collapse", {RECORD_FIELD: encode_record(make_record(i, p, o, bad, accepted=0))})
+    trainer.poll(block_ms=100)
+    assert read_current(trainer.store.root) == parent
+    assert trainer.stats.rollbacks == 1 and trainer.stats.events[-1]["event"] == "rollback"
+
+
+def test_live_monitor_rolls_back_below_parent_by_margin_only_after_a_window() -> None:
+    m = LiveMonitor(window=100, margin=0.05, collapse_steps=50, collapse_alpha=0.05)
+    for _ in range(100):
+        m.observe("parent", 4, 2)         # α 0.5
+    for _ in range(99):
+        m.observe("child", 4, 1)          # α 0.25
+    assert m.should_roll_back("child", "parent") is None   # window not full yet
+    m.observe("child", 4, 1)
+    assert "parent's" in m.should_roll_back("child", "parent")
+    for _ in range(100):
+        m.observe("ok", 4, 2)
+    assert m.should_roll_back("ok", "parent") is None
+    assert m.should_roll_back("child", None) is None
