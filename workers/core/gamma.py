@@ -19,6 +19,9 @@ Policies:
   cuts the drafts that would be rejected anyway and lets confident runs go long.
 - adaptive: acceptance-adaptive (as in SmartSpec). From a per-request EMA of the per-token acceptance
   α it picks the γ (and, for trees, the width) that maximises expected emitted tokens per unit of cost.
+- goodput: γ and tree width per request chosen for the whole batch's tokens per second from measured
+  step costs and per-position acceptance (workers/core/goodput.py). The worker that drafts a batch calls
+  `plan_batch`; `plan`/`plan_tree` then return the batch's choice (a lone request plans as a batch of one).
 
 Bounds hold everywhere: γ is in [0, gamma_max], at least gamma_min when the budget allows, and never more
 than remaining_tokens - 1, because a step emits accepted + 1 tokens and must not overshoot max_new_tokens.
@@ -35,6 +38,8 @@ from typing import ClassVar
 
 import torch
 
+from workers.core.goodput import Acceptance, CostProfile, GoodputController, Plan, Slot, StepCostModel
+
 
 @dataclass
 class GammaState:
@@ -45,6 +50,8 @@ class GammaState:
     planned_gamma: int = 0       # budget of the current step, set by plan(); keep_drafting stops there
     planned_width: int = 1       # tree width of the current step, set by plan_tree()
     steps: int = 0               # observed steps
+    acceptance: Acceptance | None = None       # goodput: predicted acceptance per draft position
+    batch_plan: tuple[int, int] | None = None  # goodput: (depth, width) chosen by plan_batch for this step
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -335,11 +342,90 @@ class AdaptiveGamma(GammaPolicy):
         return depth, width
 
 
+# Seconds of a plain step and of drafting before anything was measured: verify(1 + n) = 1 + 0.07 n
+# (AdaptiveGamma's slope), a drafter forward 0.1 of a decode step. Measured profiles replace it.
+_PRIOR_PROFILE = CostProfile(verify={1: [1.0 + 0.07 * n for n in range(9)]}, draft={1: 0.1})
+
+
+class GoodputGamma(GammaPolicy):
+    """Goodput-maximising γ and tree width for a batch (SmartSpec; see workers/core/goodput.py).
+
+    Per request it keeps `Acceptance` (per-position α, seeded from position_prior, the drafter's measured
+    acceptance per position, or acceptance_prior everywhere). The controller (with the worker's measured
+    cost model) is shared by every request of a worker: pass it in; the default uses a prior cost model.
+    """
+
+    name = "goodput"
+
+    def __init__(
+        self,
+        gamma_min: int = 0,
+        gamma_max: int = 8,
+        controller: GoodputController | None = None,
+        position_prior: Sequence[float] | None = None,
+        acceptance_prior: float = 0.6,
+        **kwargs,
+    ) -> None:
+        super().__init__(
+            gamma_min=gamma_min, gamma_max=gamma_max, acceptance_prior=acceptance_prior, **kwargs
+        )
+        self.controller = controller or GoodputController(StepCostModel(_PRIOR_PROFILE))
+        self.position_prior = list(position_prior) if position_prior else [acceptance_prior]
+
+    def new_state(self) -> GammaState:
+        state = super().new_state()
+        state.acceptance = Acceptance(self.position_prior, self.gamma_max, beta=1.0 - self.acceptance_beta)
+        return state
+
+    def slot(self, state: GammaState, remaining_tokens: int, cap: int | None = None) -> Slot:
+        """The request as the controller sees it: its acceptance and bounds (cap: the step's γ cap)."""
+        lo, hi = self._bounds(remaining_tokens)
+        if cap is not None:
+            hi = min(hi, cap)
+        return Slot(state.acceptance, max_depth=hi, max_width=self.tree_width, min_depth=min(lo, hi))
+
+    @staticmethod
+    def plan_batch(controller: GoodputController, slots: list[Slot], states: list[GammaState | None]) -> Plan:
+        """Plan a batch; states[i] (None for a request another policy drafts) receives its (depth, width)."""
+        plan = controller.plan(slots)
+        for state, depth, width in zip(states, plan.depths, plan.widths, strict=True):
+            if state is not None:
+                state.batch_plan = (depth, width)
+        return plan
+
+    def _take(self, state: GammaState, remaining_tokens: int) -> tuple[int, int]:
+        if state.batch_plan is None:
+            self.plan_batch(self.controller, [self.slot(state, remaining_tokens)], [state])
+        depth, width = state.batch_plan
+        state.batch_plan = None
+        return depth, width
+
+    def _choose_gamma(self, state: GammaState, lo: int, hi: int) -> int:
+        return state.planned_gamma
+
+    def plan(self, state: GammaState, remaining_tokens: int) -> int:
+        state.planned_gamma = self._take(state, remaining_tokens)[0]
+        return super().plan(state, remaining_tokens)
+
+    def plan_tree(self, state: GammaState, remaining_tokens: int) -> tuple[int, int]:
+        depth, width = self._take(state, remaining_tokens)
+        state.planned_gamma = depth
+        depth = super().plan(state, remaining_tokens)
+        state.planned_width = width if depth > 0 else 1
+        return depth, state.planned_width
+
+    def observe(self, state: GammaState, drafted: int, accepted: int, depth: int | None = None) -> None:
+        super().observe(state, drafted, accepted, depth=depth)
+        # A tree level succeeds when any candidate does: the per-position α absorbs that (optimistic).
+        state.acceptance.observe(drafted if depth is None else depth, accepted)
+
+
 GAMMA_POLICIES: dict[str, type[GammaPolicy]] = {
     FixedGamma.name: FixedGamma,
     EntropyGamma.name: EntropyGamma,
     ConfidenceGamma.name: ConfidenceGamma,
     AdaptiveGamma.name: AdaptiveGamma,
+    GoodputGamma.name: GoodputGamma,
 }
 
 

@@ -221,7 +221,7 @@ def test_adaptive_tree_widens_when_acceptance_is_middling() -> None:
 
 
 def test_build_gamma_policy() -> None:
-    assert set(GAMMA_POLICIES) == {"fixed", "egag", "confidence", "adaptive"}
+    assert set(GAMMA_POLICIES) == {"fixed", "egag", "confidence", "adaptive", "goodput"}
     for name, cls in GAMMA_POLICIES.items():
         policy = build_gamma_policy(name, gamma_max=5)
         assert isinstance(policy, cls) and policy.gamma_max == 5 and policy.name == name

@@ -1,0 +1,130 @@
+"""Goodput controller on synthetic costs: γ = 0 when drafting cannot pay, more when it can."""
+
+import pytest
+
+from workers.core.gamma import GoodputGamma, build_gamma_policy
+from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
+
+BATCHES = (1, 4, 16)
+N_MAX = 9
+
+
+def flat_profile(draft: float = 0.002) -> CostProfile:
+    """Batch 1 on a weight-bound device: 1..9 tokens per row cost about the same."""
+    return CostProfile(verify={b: [0.03 + 0.0005 * n for n in range(N_MAX)] for b in BATCHES},
+                       draft={b: draft for b in BATCHES})
+
+
+def linear_profile(draft: float = 0.002) -> CostProfile:
+    """High batch on a CPU: the forward is compute-bound, each extra token costs a full token's time."""
+    return CostProfile(verify={b: [0.01 * b * (n + 1) for n in range(N_MAX)] for b in BATCHES},
+                       draft={b: draft * b for b in BATCHES})
+
+
+def slots(n: int, alpha: float, max_depth: int = 8, max_width: int = 1) -> list[Slot]:
+    return [Slot(Acceptance([alpha], max_depth), max_depth=max_depth, max_width=max_width) for _ in range(n)]
+
+
+def test_flat_verify_cost_drafts_deep_at_batch_1() -> None:
+    plan = GoodputController(StepCostModel(flat_profile())).plan(slots(1, 0.8))
+    assert plan.depths[0] >= 4
+    baseline = 1 / StepCostModel(flat_profile()).verify_seconds(1, 1)
+    assert plan.goodput > 2 * baseline
+
+
+def test_linear_verify_cost_turns_drafting_off() -> None:
+    costs = StepCostModel(linear_profile())
+    plan = GoodputController(costs).plan(slots(16, 0.6))
+    assert plan.depths == [0] * 16
+    assert plan.goodput == pytest.approx(16 / costs.verify_seconds(16, 1))
+
+
+def test_useless_drafter_drafts_nothing_even_when_verify_is_free() -> None:
+    plan = GoodputController(StepCostModel(flat_profile(draft=0.01))).plan(slots(1, 0.0))
+    assert plan.depths == [0]
+
+
+def test_padded_rows_lift_the_whole_batch_together() -> None:
+    # Each extra token per row costs 40% of a step: one request alone never pays, but a level shared by
+    # every row does once acceptance is high; the "lift all" move must find it.
+    profile = CostProfile(verify={b: [0.02 * b * (1 + 0.4 * n) for n in range(N_MAX)] for b in BATCHES},
+                          draft={b: 0.0 for b in BATCHES})
+    plan = GoodputController(StepCostModel(profile, padded=True)).plan(slots(4, 0.9))
+    assert len(set(plan.depths)) == 1 and plan.depths[0] > 0
+
+
+def test_ragged_cost_gives_more_to_the_better_request() -> None:
+    profile = CostProfile(verify={b: [0.01 * (b + 0.3 * b * n) for n in range(N_MAX)] for b in BATCHES},
+                          draft={b: 0.0 for b in BATCHES})
+    good, poor = Acceptance([0.95], 8), Acceptance([0.2], 8)
+    plan = GoodputController(StepCostModel(profile, padded=False)).plan(
+        [Slot(good, max_depth=8), Slot(poor, max_depth=8)]
+    )
+    assert plan.depths[0] > plan.depths[1]
+
+
+def test_bounds_hold() -> None:
+    controller = GoodputController(StepCostModel(flat_profile(draft=0.0)))
+    plan = controller.plan([Slot(Acceptance([0.99], 8), max_depth=3, max_width=2),
+                            Slot(Acceptance([0.99], 8), max_depth=0),
+                            Slot(Acceptance([0.0], 8), max_depth=5, min_depth=2)])
+    assert plan.depths[0] <= 3 and plan.widths[0] <= 2
+    assert plan.depths[1] == 0 and plan.widths[1] == 1
+    assert 2 <= plan.depths[2] <= 5
+
+
+def test_deterministic() -> None:
+    def run():
+        batch = [Slot(Acceptance([a, a / 2], 6), max_depth=6, max_width=3) for a in (0.9, 0.5, 0.7, 0.3)]
+        return GoodputController(StepCostModel(flat_profile())).plan(batch)
+
+    first = run()
+    assert all(run().depths == first.depths and run().widths == first.widths for _ in range(3))
+
+
+def test_trees_widen_when_first_candidates_often_miss() -> None:
+    plan = GoodputController(StepCostModel(flat_profile(draft=0.0))).plan(slots(1, 0.4, 4, max_width=4))
+    assert plan.widths[0] > 1
+
+
+def test_acceptance_learns_per_position() -> None:
+    acc = Acceptance([0.5, 0.5, 0.5], 3, beta=0.5)
+    acc.observe(drafted_depth=3, accepted=1)  # position 0 hit, position 1 missed, position 2 never tried
+    assert acc.alpha == pytest.approx([0.75, 0.25, 0.5])
+    assert acc.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 0.25)
+    with pytest.raises(ValueError):
+        acc.observe(2, 3)
+
+
+def test_online_correction_moves_toward_measured() -> None:
+    costs = StepCostModel(flat_profile(), beta=0.5)
+    before = costs.verify_seconds(4, 3)
+    for _ in range(20):
+        costs.observe_verify([3, 3, 3, 3], 4 * before)
+    assert costs.verify_seconds(4, 3) == pytest.approx(4 * before, rel=0.01)
+    costs.observe_draft(4, 2, 0.1)
+    assert costs.draft_seconds(4, 1) > flat_profile().draft[4]
+
+
+def test_policy_falls_back_to_target_only_as_acceptance_drops() -> None:
+    policy = build_gamma_policy("goodput", gamma_min=0, gamma_max=6,
+                                controller=GoodputController(StepCostModel(flat_profile(draft=0.01))),
+                                position_prior=[0.9])
+    assert isinstance(policy, GoodputGamma)
+    state = policy.new_state()
+    assert policy.plan(state, remaining_tokens=100) > 0
+    for _ in range(30):
+        gamma = policy.plan(state, remaining_tokens=100)
+        policy.observe(state, gamma, 0)
+    assert policy.plan(state, remaining_tokens=100) == 0
+    assert policy.plan(state, remaining_tokens=1) == 0  # a step never overshoots max_new_tokens
+
+
+def test_plan_batch_hands_each_state_its_choice() -> None:
+    controller = GoodputController(StepCostModel(flat_profile(draft=0.0)))
+    policy = GoodputGamma(gamma_max=5, tree_width=2, controller=controller)
+    states = [policy.new_state(), policy.new_state()]
+    plan = GoodputGamma.plan_batch(controller, [policy.slot(s, 100, cap=c) for s, c in zip(states, (5, 2))],
+                                   states)
+    assert policy.plan_tree(states[0], 100) == (plan.depths[0], plan.widths[0])
+    assert policy.plan_tree(states[1], 100)[0] == plan.depths[1] <= 2

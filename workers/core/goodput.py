@@ -1,0 +1,243 @@
+"""Goodput controller: γ and tree width per request per step, chosen for the whole batch's tokens/second.
+
+SmartSpec / TurboSpec (arXiv 2406.14066): speculation pays only while the tokens it adds are worth more
+than the time drafting and the longer verify cost, and that trade moves with load. Each step, for the
+requests verified together in one target forward, we pick (γ_i, w_i) to maximise
+
+    goodput = Σ_i E[tokens_i | γ_i, w_i] / (draft_seconds(b, shape) + verify_seconds(b, shape))
+
+- E[tokens_i] comes from the request's predicted acceptance per draft position, α_i[k] (`Acceptance`):
+  1 + Σ_{k<γ} Π_{j<=k} a_j with a_j = 1 - (1 - α_i[j])^w for a tree level of width w (optimistic: the w
+  candidates are treated as independent). α_i is seeded from the drafter's per-position acceptance and
+  moves with the request's own verification results (EMA per position).
+- Seconds come from `StepCostModel`: a table of measured verify forwards over (batch rows, tokens per row)
+  and drafter forwards per batch size, profiled at start-up on the actual device and corrected online from
+  measured step times (EMA). Rows of one verify forward are padded to the longest (workers/engine/runner.py),
+  so by default the cost depends on the batch size and the longest row; `padded=False` charges the total
+  instead (a ragged kernel).
+
+Optimisation is greedy: start from γ = 0 everywhere and repeatedly apply the move with the best goodput,
+among "one more draft token for request i", "one more tree candidate for request i" and "lift every
+request to the next level" (that move matters with padded rows, where one row alone never pays for the
+longer forward but all rows together may); stop when no move raises goodput. γ = 0 for every request is
+plain target-only decoding, which is what the controller falls back to when drafting cannot pay.
+
+Plain python: no torch, ray, grpc or redis.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), xs ascending; extended linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0]) if xs[0] else ys[0]  # one point: proportional
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class CostProfile:
+    """Measured seconds: verify[b][n-1] = one target forward over b rows of n tokens (n = 1 + drafts);
+    draft[b] = one drafter forward over b rows of one token (0 for deterministic drafters)."""
+
+    verify: dict[int, list[float]]
+    draft: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.verify or any(not row for row in self.verify.values()):
+            raise ValueError("a cost profile needs at least one batch size with one measured forward")
+        if any(t < 0 for row in self.verify.values() for t in row) or any(t < 0 for t in self.draft.values()):
+            raise ValueError("measured seconds must be >= 0")
+
+
+class StepCostModel:
+    """Seconds of one step as a function of the batch's shape, from a CostProfile and online corrections.
+
+    verify_seconds(b, n): interpolated over the profiled batch sizes and tokens per row (linear past the
+    table). observe() moves the profile cell nearest to the observed shape toward what was measured (EMA
+    with factor `beta` on the new value), so a profile taken on a quiet machine follows the real load.
+    """
+
+    def __init__(self, profile: CostProfile, padded: bool = True, beta: float = 0.2) -> None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+        self.batches = sorted(profile.verify)
+        self.verify_table = {b: list(profile.verify[b]) for b in self.batches}
+        self.draft_batches = sorted(profile.draft)
+        self.draft_table = dict(profile.draft)
+        self.padded = padded
+        self.beta = beta
+
+    def _verify_row(self, b: int, n: float) -> float:
+        row = self.verify_table[b]
+        return _interp(list(range(1, len(row) + 1)), row, n)
+
+    def verify_seconds(self, b: int, n: float) -> float:
+        """One forward over b rows of n tokens each (n may be fractional: a ragged batch's mean)."""
+        if b <= 0:
+            return 0.0
+        per_b = [self._verify_row(bb, n) for bb in self.batches]
+        return max(_interp(self.batches, per_b, b), 0.0)
+
+    def draft_seconds(self, b: int, depth: int) -> float:
+        """depth drafter forwards over b rows (the batched drafter runs to the deepest row)."""
+        if depth <= 0 or b <= 0 or not self.draft_table:
+            return 0.0
+        per = _interp(self.draft_batches, [self.draft_table[x] for x in self.draft_batches], b)
+        return max(per, 0.0) * depth
+
+    def step_seconds(
+        self, rows: Sequence[int], depths: Sequence[int], widths: Sequence[int] | None = None
+    ) -> float:
+        """rows[i]: tokens request i sends to the target (1 + its draft nodes); depths[i]: its draft levels;
+        widths[i]: candidates per level (a tree level drafts that many rows)."""
+        b = len(rows)
+        if b == 0:
+            return 0.0
+        n = max(rows) if self.padded else sum(rows) / b
+        widths = widths or [1] * b
+        drafting = sum(w for d, w in zip(depths, widths, strict=True) if d > 0)
+        return self.verify_seconds(b, n) + self.draft_seconds(drafting, max(depths, default=0))
+
+    def observe_verify(self, rows: Sequence[int], seconds: float) -> None:
+        """A measured verify forward of len(rows) requests with rows[i] tokens each."""
+        b = len(rows)
+        if b == 0 or seconds <= 0:
+            return
+        n = max(rows) if self.padded else sum(rows) / b
+        predicted = self.verify_seconds(b, n)
+        if predicted <= 0:
+            return
+        ratio = seconds / predicted
+        # The nearest profiled cell (batch in log scale) absorbs the correction, scaled by how far off the
+        # whole prediction was, so interpolation between cells stays consistent.
+        near = min(self.batches, key=lambda x: abs(math.log(x) - math.log(b)))
+        row = self.verify_table[near]
+        k = min(max(int(round(n)) - 1, 0), len(row) - 1)
+        row[k] = (1 - self.beta) * row[k] + self.beta * row[k] * ratio
+
+    def observe_draft(self, b: int, depth: int, seconds: float) -> None:
+        """A measured propose call: depth forwards over b rows."""
+        if b <= 0 or depth <= 0 or seconds <= 0 or not self.draft_table:
+            return
+        near = min(self.draft_batches, key=lambda x: abs(math.log(x) - math.log(b)))
+        per = seconds / depth
+        self.draft_table[near] = (1 - self.beta) * self.draft_table[near] + self.beta * per
+
+
+class Acceptance:
+    """One request's predicted acceptance per draft position: alpha[k] = P(draft k accepted | k-1 were).
+
+    Seeded from the drafter's per-position acceptance (a prior list; its last entry repeats further out);
+    observe() applies an EMA with factor beta to the positions the step actually tried.
+    """
+
+    def __init__(self, prior: Sequence[float], depth: int, beta: float = 0.3) -> None:
+        if not prior:
+            raise ValueError("an acceptance prior needs at least one position")
+        if any(not 0.0 <= a <= 1.0 for a in prior):
+            raise ValueError(f"acceptance priors must be in [0, 1], got {list(prior)}")
+        self.alpha = [float(prior[min(k, len(prior) - 1)]) for k in range(max(depth, 1))]
+        self.beta = beta
+        self.steps = 0
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        """A verified step: positions < accepted succeeded; position `accepted` failed when it was drafted."""
+        if not 0 <= accepted <= drafted_depth:
+            raise ValueError(f"need 0 <= accepted <= drafted, got {accepted}, {drafted_depth}")
+        self.steps += 1
+        tried = min(accepted + (1 if accepted < drafted_depth else 0), len(self.alpha))
+        for k in range(tried):
+            hit = 1.0 if k < accepted else 0.0
+            self.alpha[k] = (1 - self.beta) * self.alpha[k] + self.beta * hit
+
+    def expected_tokens(self, depth: int, width: int = 1) -> float:
+        """E[tokens emitted] by a step of `depth` levels with `width` candidates per level."""
+        total, reach = 1.0, 1.0
+        for k in range(min(depth, len(self.alpha))):
+            level = 1.0 - (1.0 - self.alpha[k]) ** width
+            reach *= level
+            total += reach
+        return total
+
+
+@dataclass
+class Slot:
+    """One request as the controller sees it this step: its acceptance, γ cap and tree width cap."""
+
+    acceptance: Acceptance
+    max_depth: int                # γ cap (remaining tokens, operator bounds, the request's own γ)
+    max_width: int = 1            # 1 = chains only
+    min_depth: int = 0
+
+
+@dataclass
+class Plan:
+    depths: list[int]
+    widths: list[int]
+    expected_tokens: float        # Σ_i E[tokens_i] of the plan
+    seconds: float                # predicted step seconds
+
+    @property
+    def goodput(self) -> float:
+        return self.expected_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class GoodputController:
+    """Greedy goodput maximisation over a batch; see the module docstring."""
+
+    def __init__(self, costs: StepCostModel, min_gain: float = 1e-9) -> None:
+        self.costs = costs
+        self.min_gain = min_gain  # relative: a move must raise goodput by more than this share
+
+    def seconds(self, depths: Sequence[int], widths: Sequence[int]) -> float:
+        rows = [1 + d * w for d, w in zip(depths, widths, strict=True)]
+        return self.costs.step_seconds(rows, depths, widths)
+
+    def evaluate(self, slots: Sequence[Slot], depths: Sequence[int], widths: Sequence[int]) -> Plan:
+        tokens = sum(_per_slot_tokens(slots, depths, widths))
+        return Plan(list(depths), list(widths), tokens, self.seconds(depths, widths))
+
+    def _moves(self, slots: Sequence[Slot], depths: list[int], widths: list[int]):
+        """(changed request or None for all, new depths, new widths) of every move from here."""
+        for i, s in enumerate(slots):
+            if depths[i] < s.max_depth:
+                yield i, [*depths[:i], depths[i] + 1, *depths[i + 1:]], widths
+            if depths[i] > 0 and widths[i] < s.max_width:
+                yield i, depths, [*widths[:i], widths[i] + 1, *widths[i + 1:]]
+        level = max(depths, default=0) + 1
+        lifted = [max(d, min(level, s.max_depth)) for d, s in zip(depths, slots, strict=True)]
+        if lifted != depths:
+            yield None, lifted, widths
+
+    def plan(self, slots: Sequence[Slot]) -> Plan:
+        """The greedy plan: deterministic (ties go to the earliest, cheapest move)."""
+        depths = [min(s.min_depth, s.max_depth) for s in slots]
+        widths = [1] * len(slots)
+        gains = _per_slot_tokens(slots, depths, widths)
+        best = Plan(depths, widths, sum(gains), self.seconds(depths, widths))
+        while True:
+            candidate = None
+            for i, d, w in self._moves(slots, best.depths, best.widths):
+                if i is None:
+                    tokens = sum(_per_slot_tokens(slots, d, w))
+                else:
+                    tokens = best.expected_tokens - gains[i] + slots[i].acceptance.expected_tokens(d[i], w[i])
+                plan = Plan(d, w, tokens, self.seconds(d, w))
+                if plan.goodput > (candidate or best).goodput * (1 + self.min_gain):
+                    candidate = plan
+            if candidate is None:
+                return best
+            best = candidate
+            gains = _per_slot_tokens(slots, best.depths, best.widths)
+
+
+def _per_slot_tokens(slots: Sequence[Slot], depths: Sequence[int], widths: Sequence[int]) -> list[float]:
+    return [s.acceptance.expected_tokens(d, w) for s, d, w in zip(slots, depths, widths, strict=True)]
