@@ -67,7 +67,10 @@ class SpecConfig:
     gamma: int = 3
     gamma_min: int = 0                  # operator bounds a request's gamma must fall within
     gamma_max: int = 8
-    policy: str = "fixed"               # fixed | egag | confidence | adaptive
+    policy: str = "fixed"               # fixed | egag | confidence | adaptive | goodput
+    # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row)
+    goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    goodput_prior: float = 0.6          # goodput: acceptance per position assumed before any is measured
     tree_width: int = 1                 # 1 = chain
     tree_width_max: int = 4
     egag_threshold: float = 0.6

@@ -342,9 +342,10 @@ class AdaptiveGamma(GammaPolicy):
         return depth, width
 
 
-# Seconds of a plain step and of drafting before anything was measured: verify(1 + n) = 1 + 0.07 n
-# (AdaptiveGamma's slope), a drafter forward 0.1 of a decode step. Measured profiles replace it.
-_PRIOR_PROFILE = CostProfile(verify={1: [1.0 + 0.07 * n for n in range(9)]}, draft={1: 0.1})
+# Seconds of a step before anything was measured: a 30 ms decode step, verify(1 + n) = 30 ms * (1 + 0.07 n)
+# (AdaptiveGamma's slope), a drafter forward 0.1 of a decode step, proportional in the batch. A measured
+# profile (workers/engine/profile.py) replaces it; online corrections move it toward measured steps.
+PRIOR_PROFILE = CostProfile(verify={1: [0.03 * (1.0 + 0.07 * n) for n in range(9)]}, draft={1: 0.003})
 
 
 class GoodputGamma(GammaPolicy):
@@ -369,7 +370,7 @@ class GoodputGamma(GammaPolicy):
         super().__init__(
             gamma_min=gamma_min, gamma_max=gamma_max, acceptance_prior=acceptance_prior, **kwargs
         )
-        self.controller = controller or GoodputController(StepCostModel(_PRIOR_PROFILE))
+        self.controller = controller or GoodputController(StepCostModel(PRIOR_PROFILE))
         self.position_prior = list(position_prior) if position_prior else [acceptance_prior]
 
     def new_state(self) -> GammaState:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys), xs ascending; extended linearly past both ends."""
     if len(xs) == 1:
         return ys[0] * (x / xs[0]) if xs[0] else ys[0]  # one point: proportional
@@ -77,20 +77,20 @@ class StepCostModel:
 
     def _verify_row(self, b: int, n: float) -> float:
         row = self.verify_table[b]
-        return _interp(list(range(1, len(row) + 1)), row, n)
+        return interpolate(list(range(1, len(row) + 1)), row, n)
 
     def verify_seconds(self, b: int, n: float) -> float:
         """One forward over b rows of n tokens each (n may be fractional: a ragged batch's mean)."""
         if b <= 0:
             return 0.0
         per_b = [self._verify_row(bb, n) for bb in self.batches]
-        return max(_interp(self.batches, per_b, b), 0.0)
+        return max(interpolate(self.batches, per_b, b), 0.0)
 
     def draft_seconds(self, b: int, depth: int) -> float:
         """depth drafter forwards over b rows (the batched drafter runs to the deepest row)."""
         if depth <= 0 or b <= 0 or not self.draft_table:
             return 0.0
-        per = _interp(self.draft_batches, [self.draft_table[x] for x in self.draft_batches], b)
+        per = interpolate(self.draft_batches, [self.draft_table[x] for x in self.draft_batches], b)
         return max(per, 0.0) * depth
 
     def step_seconds(

@@ -4,6 +4,13 @@ The scheduler sends one DraftItem per request and step: it carries the previous 
 outcome (the drafter rolls back and appends the target's tokens) and the step's γ cap. The worker's
 γ policy picks the draft length (or tree shape) within that cap, and EGAG may stop a draft early from
 the drafter's entropy. Plain Python: Ray wraps it as an actor in cluster/actors.py.
+
+Requests on the goodput policy are planned together: the worker's GoodputController (one per worker,
+holding the step cost model) chooses γ and tree width for the whole batch of a propose call, which is
+the batch the target verifies next. The cost model starts from set_cost_profile (the target's measured
+verify sweep, plus a drafter sweep timed here) and follows measured steps: the caller passes the previous
+step's verify time with the next propose (`last_verify`), drafting is timed here. New requests seed their
+per-position acceptance from what this worker's drafter has achieved so far.
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ import importlib
 import time
 from dataclasses import dataclass
 
-from workers.core.gamma import GammaPolicy, GammaState, build_gamma_policy
+from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
+from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
 from workers.drafters.registry import DRAFTERS
+from workers.engine.profile import profile_drafter
 from workers.engine.target_worker import resolve_device
 from workers.engine.types import Draft, DraftItem, NewRequest
 
@@ -28,14 +37,36 @@ class _DraftRequest:
     last_depth: int | None = None
 
 
-def build_policy(name: str, spec_cfg, gamma: int, tree_width: int) -> GammaPolicy:
-    """One policy object per request: its bounds come from the operator config and the request's γ."""
+def build_policy(name: str, spec_cfg, gamma: int, tree_width: int, **goodput) -> GammaPolicy:
+    """One policy object per request: its bounds come from the operator config and the request's γ.
+    goodput: the worker's controller and position prior, for the goodput policy."""
     common = dict(gamma_min=min(spec_cfg.gamma_min, gamma), gamma_max=gamma, tree_width=tree_width)
     extra = {
         "egag": {"entropy_threshold": spec_cfg.egag_threshold, "beta": spec_cfg.egag_beta},
         "confidence": {"threshold": spec_cfg.confidence_threshold},
+        "goodput": goodput,
     }
     return build_gamma_policy(name, **common, **extra.get(name, {}))
+
+
+class PositionCounts:
+    """Drafted and accepted counts per draft position over every step of a worker: the drafter's measured
+    acceptance per position, which seeds new requests' estimates (prior pseudo-counts until data comes)."""
+
+    def __init__(self, depth: int = 16, prior: float = 0.6, pseudo: float = 4.0) -> None:
+        self.drafted = [0] * depth
+        self.accepted = [0] * depth
+        self.prior, self.pseudo = prior, pseudo
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        tried = min(accepted + (1 if accepted < drafted_depth else 0), len(self.drafted))
+        for k in range(tried):
+            self.drafted[k] += 1
+            self.accepted[k] += k < accepted
+
+    def alpha(self) -> list[float]:
+        return [(a + self.prior * self.pseudo) / (d + self.pseudo)
+                for a, d in zip(self.accepted, self.drafted, strict=True)]
 
 
 class DraftWorker:
@@ -49,6 +80,12 @@ class DraftWorker:
         self.max_seq_len: int | None = getattr(cfg, "max_seq_len", None)
         self.requests: dict[str, _DraftRequest] = {}
         self._busy = 0.0
+        self.costs = StepCostModel(PRIOR_PROFILE)
+        self.controller = GoodputController(self.costs)
+        self.positions = PositionCounts(max(spec.gamma_max, 1), prior=spec.goodput_prior)
+        self.last_plan = None              # the goodput plan of the latest propose (None: nobody on it)
+        self._last_draft_seconds = 0.0
+        self.goodput_ema = {"predicted": 0.0, "measured": 0.0}
 
     def version(self) -> str:
         return self.drafter.version
@@ -63,6 +100,37 @@ class DraftWorker:
     def busy_seconds(self) -> float:
         return self._busy
 
+    def set_cost_profile(self, verify: dict[int, list[float]], draft: dict[int, float] | None = None) -> None:
+        """The target's measured verify sweep (workers/engine/profile.py); draft None times this drafter."""
+        if draft is None:
+            draft = profile_drafter(self.drafter)
+        table = {int(b): list(v) for b, v in verify.items()}
+        self.costs = StepCostModel(CostProfile(verify=table, draft=draft))
+        self.controller.costs = self.costs
+
+    def cost_profile_request(self) -> dict | None:
+        """What the target should sweep for set_cost_profile (TargetWorker.profile_verify kwargs), or None
+        when no request can use the goodput policy's cost model (another default policy)."""
+        if self.spec.policy != GoodputGamma.name:
+            return None
+        return {"batch_sizes": list(self.spec.goodput_profile_batch_sizes),
+                "max_tokens": 1 + max(self.spec.gamma_max, 1)}
+
+    def observe_verify(self, rows: list[int], seconds: float, emitted: int | None = None) -> None:
+        """A measured verify forward over len(rows) requests, rows[i] tokens each (1 + drafts); emitted:
+        tokens it produced, for the measured goodput beside the predicted one."""
+        self.costs.observe_verify(rows, seconds)
+        if emitted is not None and seconds > 0:
+            measured = emitted / (seconds + self._last_draft_seconds)
+            g = self.goodput_ema
+            g["measured"] = measured if not g["measured"] else 0.8 * g["measured"] + 0.2 * measured
+
+    def goodput_stats(self) -> dict:
+        """Predicted vs measured tokens/s of this worker's steps (EMAs), and the latest plan's γ."""
+        plan = self.last_plan
+        return {**self.goodput_ema, "depths": list(plan.depths) if plan else [],
+                "widths": list(plan.widths) if plan else []}
+
     def start(self, requests: list[NewRequest], first_tokens: list[list[int]], prompt_hidden=None) -> None:
         """prompt_hidden: the target's start(..., return_hidden=True) states, one per request, when
         uses_target_hidden()."""
@@ -70,7 +138,8 @@ class DraftWorker:
         if self.drafter.uses_target_hidden and prompt_hidden is None:
             raise ValueError(f"drafter {self.drafter.version} reads target hidden states: pass prompt_hidden")
         for i, (req, first) in enumerate(zip(requests, first_tokens, strict=True)):
-            policy = build_policy(req.spec.policy, self.spec, req.spec.gamma, req.spec.tree_width)
+            goodput = {"controller": self.controller, "position_prior": self.positions.alpha()}
+            policy = build_policy(req.spec.policy, self.spec, req.spec.gamma, req.spec.tree_width, **goodput)
             extra = {"hidden": prompt_hidden[i]} if self.drafter.uses_target_hidden else {}
             self.drafter.add_request(
                 req.request_id, list(req.prompt_token_ids) + list(first), seed=req.sampling.seed, **extra
@@ -87,43 +156,68 @@ class DraftWorker:
         """Hot swap: same shapes, new weights; the next proposal uses them."""
         return self.drafter.load(path)
 
-    def propose(self, items: list[DraftItem]) -> list[Draft]:
+    def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
+        """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify)."""
         t0 = time.perf_counter()
-        chains: dict[str, list[tuple[DraftItem, _DraftRequest, int]]] = {}
-        trees: dict[str, list[tuple[DraftItem, _DraftRequest, int, int]]] = {}
+        if last_verify is not None:
+            self.observe_verify(*last_verify)
+        planned = []
         for item in items:
             r = self.requests[item.request_id]
             if item.commit_tokens:
                 extra = {"hidden": item.commit_hidden} if self.drafter.uses_target_hidden else {}
                 self.drafter.commit(item.request_id, item.commit_accepted, item.commit_tokens, **extra)
                 r.policy.observe(r.state, r.last_drafted, item.commit_accepted, depth=r.last_depth)
+                self.positions.observe(r.last_depth or r.last_drafted, item.commit_accepted)
                 r.generated += len(item.commit_tokens)
-            remaining = r.request.max_new_tokens - r.generated
-            room = self._kv_room(r, remaining)
+            planned.append((item, r, r.request.max_new_tokens - r.generated))
+        self._plan_goodput(planned)
+        chains: dict[str, list[tuple[DraftItem, _DraftRequest, int]]] = {}
+        trees: dict[str, list[tuple[DraftItem, _DraftRequest, int, int]]] = {}
+        for item, r, remaining in planned:
             if r.request.spec.tree_width > 1:
                 depth, width = r.policy.plan_tree(r.state, remaining)
-                depth, width = fit_tree(min(depth, item.gamma), width, room)
-                trees.setdefault(r.request.spec.policy, []).append((item, r, depth, width))
+                trees.setdefault(r.request.spec.policy, []).append((item, r, min(depth, item.gamma), width))
             else:
-                gamma = min(r.policy.plan(r.state, remaining), item.gamma, room)
+                gamma = min(r.policy.plan(r.state, remaining), item.gamma)
                 chains.setdefault(r.request.spec.policy, []).append((item, r, gamma))
         drafts: dict[str, Draft] = {}
+        t1 = time.perf_counter()
         # Requests that share a policy kind are drafted in one batch (their states stay per request).
         for group in chains.values():
             self._propose_chains(group, drafts)
         for group in trees.values():
             self._propose_trees(group, drafts)
-        self._busy += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self._observe_drafting(drafts, t2 - t1)
+        self._busy += t2 - t0
         return [drafts[item.request_id] for item in items]
 
-    def _kv_room(self, r: _DraftRequest, remaining: int) -> int:
-        """Draft nodes this step may add: the target writes 1 + nodes positions after the committed
-        context (prompt + generated - 1). At least `remaining`, since every request is admitted with
-        prompt + max_new_tokens <= max_seq_len; more when the context is known to leave more."""
-        if self.max_seq_len is None:
-            return remaining
-        context = len(r.request.prompt_token_ids) + r.generated
-        return max(remaining, self.max_seq_len - context)
+    def _plan_goodput(self, planned: list[tuple[DraftItem, _DraftRequest, int]]) -> None:
+        """One goodput plan for the requests on that policy; the others enter it at their γ cap."""
+        if not any(isinstance(r.policy, GoodputGamma) for _, r, _ in planned):
+            self.last_plan = None
+            return
+        slots, states = [], []
+        for item, r, remaining in planned:
+            if isinstance(r.policy, GoodputGamma):
+                slots.append(r.policy.slot(r.state, remaining, cap=item.gamma))
+                states.append(r.state)
+            else:
+                cap = max(0, min(item.gamma, remaining - 1))
+                slots.append(Slot(Acceptance([r.state.ema_acceptance], cap), cap, min_depth=cap))
+                states.append(None)
+        self.last_plan = GoodputGamma.plan_batch(self.controller, slots, states)
+        g = self.goodput_ema
+        g["predicted"] = self.last_plan.goodput if not g["predicted"] else (
+            0.8 * g["predicted"] + 0.2 * self.last_plan.goodput)
+
+    def _observe_drafting(self, drafts: dict[str, Draft], seconds: float) -> None:
+        self._last_draft_seconds = seconds
+        depths = [_depth(d.parents[1:]) if d.parents else len(d.tokens) for d in drafts.values()]
+        drafting = [x for x in depths if x > 0]
+        if drafting:
+            self.costs.observe_draft(len(drafting), max(drafting), seconds)
 
     def _propose_chains(self, group, drafts: dict[str, Draft]) -> None:
         rids = [item.request_id for item, _, _ in group]

@@ -9,6 +9,7 @@ autoregressive decoding on the same engine, the baseline every speed-up is measu
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -27,6 +28,11 @@ class SpecEngine:
         self.hidden = drafter is not None and drafter.uses_target_hidden()
         if drafter is not None:
             self.max_running = min(self.max_running, drafter.max_slots())
+            # The goodput policy's cost model starts from a timed sweep on this device.
+            request = drafter.cost_profile_request()
+            if request is not None:
+                drafter.set_cost_profile(target.profile_verify(**request))
+        self._last_verify = None  # (tokens per row, seconds, emitted) of the previous verify
 
     def generate(
         self,
@@ -74,15 +80,18 @@ class SpecEngine:
             return
         items = [s.next_draft_item() for s in active]
         if self.drafter is not None:
-            drafts = self.drafter.propose(items)
+            drafts = self.drafter.propose(items, last_verify=self._last_verify)
             version = self.drafter.version()
         else:
             drafts = [Draft(s.request_id, []) for s in active]
             version = None
+        t0 = time.perf_counter()
         if self.hidden:
             results = self.target.verify(drafts, return_hidden=True)
         else:
             results = self.target.verify(drafts)
+        rows = [1 + len(d.tokens) for d in drafts]
+        self._last_verify = (rows, time.perf_counter() - t0, sum(len(r.new_tokens) for r in results))
         for seq, res in zip(active, results, strict=True):
             emitted = seq.apply(res, drafter_version=version if res.num_drafted else None)
             if on_step:

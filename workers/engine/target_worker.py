@@ -28,6 +28,7 @@ from workers.core.sampling import (
 from workers.core.tree import TokenTree
 from workers.core.verify_chain import verify_chain
 from workers.core.verify_tree import verify_tree
+from workers.engine.profile import profile_verify
 from workers.engine.runner import ModelRunner
 from workers.engine.types import Draft, NewRequest, VerifyResult
 from workers.models.loader import ensure_target_model
@@ -152,6 +153,13 @@ class TargetWorker:
             run = self.running.pop(rid, None)
             if run is not None:
                 self.runner.free(run.slot)
+
+    def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict[int, list[float]]:
+        """Timed verify-shaped forwards for the goodput controller's cost model (see engine/profile.py)."""
+        t0 = time.perf_counter()
+        table = profile_verify(self.runner, batch_sizes=batch_sizes, max_tokens=max_tokens)
+        self._busy += time.perf_counter() - t0
+        return table
 
     # ---- verification --------------------------------------------------------------------------
     def verify(self, drafts: list[Draft], return_hidden: bool = False) -> list[VerifyResult]:

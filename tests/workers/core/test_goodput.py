@@ -124,7 +124,7 @@ def test_plan_batch_hands_each_state_its_choice() -> None:
     controller = GoodputController(StepCostModel(flat_profile(draft=0.0)))
     policy = GoodputGamma(gamma_max=5, tree_width=2, controller=controller)
     states = [policy.new_state(), policy.new_state()]
-    plan = GoodputGamma.plan_batch(controller, [policy.slot(s, 100, cap=c) for s, c in zip(states, (5, 2))],
-                                   states)
+    batch = [policy.slot(s, 100, cap=c) for s, c in zip(states, (5, 2), strict=True)]
+    plan = GoodputGamma.plan_batch(controller, batch, states)
     assert policy.plan_tree(states[0], 100) == (plan.depths[0], plan.widths[0])
     assert policy.plan_tree(states[1], 100)[0] == plan.depths[1] <= 2

@@ -1,0 +1,76 @@
+"""The goodput policy through the in-process engine on tiny models: exact output, profiled costs, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from configs import load_config
+from workers.core.sampling import SamplingParams
+from workers.engine.draft_worker import DraftWorker
+from workers.engine.spec_engine import SpecEngine
+from workers.engine.target_worker import TargetWorker
+from workers.engine.types import NewRequest, SpecParams
+
+PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_target_dir, tiny_drafter_dir):
+    return load_config([
+        f"target.model_path={tiny_target_dir}", f"drafter.path={tiny_drafter_dir}",
+        "target.max_slots=6", "drafter.max_slots=6", "target.max_seq_len=256",
+        "spec.policy=goodput", "spec.goodput_profile_batch_sizes=[1,4,16]",
+    ])
+
+
+@pytest.fixture(scope="module")
+def target(cfg):
+    return TargetWorker(cfg.target)
+
+
+GREEDY = SamplingParams()
+
+
+def _run(engine, spec, sampling=GREEDY, n=32):
+    reqs = [NewRequest(f"r{i}", p, sampling, n, spec) for i, p in enumerate(PROMPTS)]
+    return [s.output for s in engine.generate(reqs, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("kind,spec", [
+    ("model", SpecParams(gamma=5, policy="goodput")),
+    ("model", SpecParams(gamma=4, policy="goodput", tree_width=3)),
+    ("ngram", SpecParams(gamma=4, policy="goodput")),
+])
+def test_greedy_output_equals_target_only(cfg, target, kind, spec):
+    base = _run(SpecEngine(target), SpecParams(enabled=False))
+    cfg.drafter.kind = kind
+    drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
+    engine = SpecEngine(target, drafter)
+    assert _run(engine, spec) == base
+    assert target.free_slots() == cfg.target.max_slots
+
+
+def test_cost_profile_is_measured_and_followed(cfg, target):
+    cfg.drafter.kind = "model"
+    drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
+    SpecEngine(target, drafter)
+    # The sweep ran on this target: batch sizes that fit its 6 slots, 1..1+gamma_max tokens per row.
+    assert sorted(drafter.costs.verify_table) == [1, 4]
+    rows = drafter.costs.verify_table.values()
+    assert all(len(row) == 1 + cfg.spec.gamma_max and min(row) > 0 for row in rows)
+    assert sorted(drafter.costs.draft_table) == [1, 4]
+    engine = SpecEngine(target, drafter)
+    _run(engine, SpecParams(gamma=5, policy="goodput"), SamplingParams(temperature=0.8, seed=3))
+    stats = drafter.goodput_stats()
+    assert stats["predicted"] > 0 and stats["measured"] > 0
+    assert target.free_slots() == cfg.target.max_slots
+
+
+def test_seeded_sampling_reproducible(cfg, target):
+    cfg.drafter.kind = "model"
+    outs = []
+    for _ in range(2):
+        engine = SpecEngine(target, DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=1))
+        sampling = SamplingParams(temperature=0.9, seed=11)
+        outs.append(_run(engine, SpecParams(gamma=4, policy="goodput"), sampling))
+    assert outs[0] == outs[1]

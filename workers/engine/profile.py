@@ -1,0 +1,116 @@
+"""Start-up cost profile for the goodput controller, timed on the device that serves.
+
+A short sweep: target forwards of b rows × n tokens (the shape of a verify step with n - 1 drafts per
+row) at a few batch sizes, and drafter proposals of depth 1 and 3 at the same batch sizes. Cells not
+measured are interpolated (workers/core/goodput.py extends the table linearly), so the sweep stays a few
+seconds on a CPU. The numbers only steer γ: output is exact whatever they say.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from workers.core.goodput import interpolate
+from workers.core.sampling import SamplingParams
+
+PROFILE_TOKENS = (1, 2, 3, 5, 9)   # tokens per row measured; the rest of 1..max is interpolated
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up: first calls allocate and pick kernels
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def profile_verify(
+    runner,
+    batch_sizes: Sequence[int] = (1, 4, 16),
+    max_tokens: int = 9,
+    prompt_len: int = 64,
+    repeats: int = 2,
+) -> dict[int, list[float]]:
+    """{b: [seconds of a forward over b rows of n tokens, n = 1..max_tokens]} on the runner's device.
+
+    Uses free KV slots of the runner and frees them again; batch sizes above the free slots are skipped.
+    """
+    table: dict[int, list[float]] = {}
+    measured_n = sorted({n for n in PROFILE_TOKENS if n < max_tokens} | {max_tokens})
+    for b in sorted(set(batch_sizes)):
+        if b > runner.num_free:
+            continue
+        slots = [runner.allocate() for _ in range(b)]
+        try:
+            runner.prefill(slots, [[1] * prompt_len for _ in slots])
+            seconds = [_timed_extend(runner, slots, n, repeats) for n in measured_n]
+        finally:
+            for s in slots:
+                runner.free(s)
+        table[b] = [interpolate(measured_n, seconds, n) for n in range(1, max_tokens + 1)]
+    if not table:
+        raise ValueError(f"no batch size of {list(batch_sizes)} fits the runner's free slots")
+    return table
+
+
+def _timed_extend(runner, slots: list[int], n: int, repeats: int) -> float:
+    base = [runner.length(s) for s in slots]
+
+    def forward() -> None:
+        runner.extend(slots, [[1] * n for _ in slots])
+        for s, length in zip(slots, base, strict=True):
+            runner.rollback(s, length)
+        _sync(runner)
+
+    return _timed(forward, repeats)
+
+
+def profile_drafter(
+    drafter, batch_sizes: Sequence[int] = (1, 4, 16), prompt_len: int = 64, repeats: int = 2
+) -> dict[int, float]:
+    """{b: seconds per drafted level for b rows}: the slope between proposals of depth 3 and depth 1."""
+    table: dict[int, float] = {}
+    for b in sorted(set(batch_sizes)):
+        if b <= drafter.max_slots():
+            table[b] = _drafter_level_seconds(drafter, b, prompt_len, repeats)
+    return table
+
+
+def _drafter_level_seconds(drafter, b: int, prompt_len: int, repeats: int) -> float:
+    hidden_size = getattr(drafter, "hidden_size", None) or getattr(
+        getattr(drafter, "model", None), "hidden_size", None
+    )
+    ids = [f"__profile-{i}" for i in range(b)]
+    prompt = [(7 * k) % 97 + 1 for k in range(prompt_len)]
+    params = [SamplingParams() for _ in ids]
+    hidden = drafter.uses_target_hidden
+
+    def step(depth: int) -> None:
+        # propose, then reject everything: the drafter rolls back and takes one target token
+        drafter.propose(ids, [depth] * b, params)
+        for rid in ids:
+            drafter.commit(rid, 0, [5], **({"hidden": torch.zeros(1, hidden_size)} if hidden else {}))
+
+    for rid in ids:
+        extra = {"hidden": torch.zeros(prompt_len - 1, hidden_size)} if hidden else {}
+        drafter.add_request(rid, prompt, seed=0, **extra)
+    try:
+        one = _timed(lambda: step(1), repeats)
+        three = _timed(lambda: step(3), repeats)
+    finally:
+        for rid in ids:
+            drafter.remove_request(rid)
+    return max((three - one) / 2, 0.0)
+
+
+def _sync(runner) -> None:
+    device = str(getattr(runner, "device", "cpu"))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
