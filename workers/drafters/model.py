@@ -344,3 +344,9 @@ class ModelDrafter(Drafter):
         self.path = Path(path)
         self.version = read_drafter_version(path)
         return self.version
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: str) -> str:
+        """Hot-swap to verified HF-named tensors (workers/engine/hot_swap.py); same caveat as load()."""
+        self.runner.load_weights(tensors)
+        self.version = version
+        return version

@@ -86,6 +86,7 @@ class DraftWorker:
         self.last_plan = None              # the goodput plan of the latest propose (None: nobody on it)
         self._last_draft_seconds = 0.0
         self.goodput_ema = {"predicted": 0.0, "measured": 0.0}
+        self._swapper = None
 
     def version(self) -> str:
         return self.drafter.version
@@ -156,9 +157,36 @@ class DraftWorker:
         """Hot swap: same shapes, new weights; the next proposal uses them."""
         return self.drafter.load(path)
 
+    def watch_versions(self, root: str, target_model_dir: str, poll_s: float = 2.0) -> str:
+        """Follow the online trainer's version store at `root` (workers/engine/hot_swap.py): new versions
+        are loaded and verified in the background and applied between steps. Returns the serving version."""
+        from workers.engine.hot_swap import DrafterSwapper
+
+        if not hasattr(self.drafter, "load_tensors"):
+            raise ValueError(f"drafter kind {type(self.drafter).__name__} has no weights to swap")
+        if self._swapper is None:
+            model = self.drafter.runner.model
+            version = self.drafter.version
+            self._swapper = DrafterSwapper(root, target_model_dir, model, version, poll_s).start()
+        return self.drafter.version
+
+    def swap_stats(self) -> dict:
+        s = self._swapper
+        return {"version": self.drafter.version, "swaps": s.swaps if s else 0,
+                "rejected": dict(s.rejected) if s else {}}
+
+    def _apply_pending_swap(self) -> None:
+        # Called first thing in a step's call: every draft of that call comes from one version.
+        ready = self._swapper.take() if self._swapper is not None else None
+        if ready is not None:
+            version, tensors = ready
+            self.drafter.load_tensors(tensors, version)
+            self._swapper.applied(version)
+
     def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
         """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify)."""
         t0 = time.perf_counter()
+        self._apply_pending_swap()
         if last_verify is not None:
             self.observe_verify(*last_verify)
         planned = []

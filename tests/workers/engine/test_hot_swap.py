@@ -1,0 +1,76 @@
+"""Hot-swapping published drafter versions in a DraftWorker: a good version is applied between steps;
+a corrupt one, one for another target, or one that does not fit the running drafter is rejected with
+one log line, and the serving version stays."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from configs import load_config
+from drafter_trainer.drafter_format import load_drafter
+from drafter_trainer.publish import VersionStore
+from tests.drafter_trainer.online_helpers import make_tiny_drafter
+from workers.drafters.versions import target_checksum
+from workers.engine.draft_worker import DraftWorker
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafters")
+    token = make_tiny_drafter(tiny_llama_dir, root / "token")
+    return token, make_tiny_drafter(tiny_llama_dir, root / "hidden", hidden=True)
+
+
+def _worker(tiny_llama_dir, drafter_dir) -> DraftWorker:
+    cfg = load_config([f"target.model_path={tiny_llama_dir}", f"drafter.path={drafter_dir}",
+                       "drafter.max_slots=4", "drafter.dtype=float32", "drafter.pack=none"])
+    return DraftWorker(cfg.drafter, cfg.spec, str(tiny_llama_dir))
+
+
+def _publish(store: VersionStore, drafter_dir, tiny_llama_dir, scale: float = 0.1, **kw) -> str:
+    state, config, _ = load_drafter(drafter_dir)
+    state = {k: (v + torch.randn_like(v) * scale if v.is_floating_point() else v) for k, v in state.items()}
+    kw.setdefault("target_checksum", target_checksum(tiny_llama_dir))
+    return store.publish(state, config, version=None, parent=None, **kw)
+
+
+def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_llama_dir, drafters, caplog):
+    token_dir, hidden_dir = drafters
+    worker = _worker(tiny_llama_dir, token_dir)
+    store = VersionStore(tmp_path / "store")
+    start = worker.watch_versions(str(store.root), str(tiny_llama_dir), poll_s=3600)  # checks by hand
+    swapper = worker._swapper
+    head_before = worker.drafter.runner.model.lm_head.weight.clone()
+
+    good = _publish(store, token_dir, tiny_llama_dir)
+    assert swapper.check() == good
+    assert worker.version() == start                 # parked, not applied until the next step
+    worker.propose([])
+    assert worker.version() == good and worker.swap_stats()["swaps"] == 1
+    assert not torch.equal(worker.drafter.runner.model.lm_head.weight, head_before)
+
+    caplog.set_level(logging.WARNING, logger="workers.engine.hot_swap")
+    corrupt = _publish(store, token_dir, tiny_llama_dir)
+    weights = store.root / "versions" / corrupt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    other_target = _publish(store, token_dir, tiny_llama_dir, target_checksum="0" * 64)
+    misfit = _publish(store, hidden_dir, tiny_llama_dir)    # a hidden-state drafter's tensors
+    for bad, why in ((corrupt, "sha256"), (other_target, "target"), (misfit, "unexpected tensor")):
+        store_current(store, bad)
+        assert swapper.check() is None and swapper.check() is None   # rejected once, not retried
+        assert why in swapper.rejected[bad]
+        worker.propose([])
+        assert worker.version() == good
+    lines = [r for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(lines) == 3
+
+
+def store_current(store: VersionStore, version: str) -> None:
+    from workers.drafters.versions import write_current
+
+    write_current(store.root, version)

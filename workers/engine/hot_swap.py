@@ -1,0 +1,83 @@
+"""Hot-swapping a DraftWorker's drafter to new published versions, between steps.
+
+A background thread watches the version store's CURRENT pointer (workers/drafters/versions.py).
+When it names a version other than the serving one, the thread reads it, verifies it (sha256 of the
+weights, the serving target's checksum, every tensor's name and shape against the running drafter)
+and parks the tensors. The DraftWorker takes them at the start of its next call (`take()`), so a
+step is drafted by one version from its first token to its last; nothing about verification changes,
+so output stays exact. A version that fails verification is rejected with one log line, remembered
+(it is not retried), and the serving version stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from workers.drafters.versions import VersionError, check_fits, load_version, read_current, version_dir
+
+log = logging.getLogger(__name__)
+
+
+class DrafterSwapper:
+    def __init__(self, root: str | Path, target_dir: str | Path, model, serving_version: str,
+                 poll_s: float = 2.0):
+        """model: the running drafter's workers.models.llama.Llama (tensors are checked against it)."""
+        self.root = Path(root)
+        self.target_dir = Path(target_dir)
+        self.model = model
+        self.serving = serving_version
+        self.poll_s = poll_s
+        self.rejected: dict[str, str] = {}       # version -> reason
+        self.swaps = 0
+        self._ready: tuple[str, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specd-drafter-swap", daemon=True)
+
+    def start(self) -> DrafterSwapper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.poll_s + 5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.check()
+            self._stop.wait(self.poll_s)
+
+    def check(self) -> str | None:
+        """Look at CURRENT once; returns the version made ready, if any (the thread calls this)."""
+        try:
+            wanted = read_current(self.root)
+        except OSError:
+            return None
+        with self._lock:
+            parked = self._ready[0] if self._ready else None
+        if not wanted or wanted in (self.serving, parked) or wanted in self.rejected:
+            return None
+        try:
+            tensors, _ = load_version(version_dir(self.root, wanted), self.target_dir)
+            check_fits(self.model, tensors)
+        except (VersionError, OSError, ValueError, KeyError) as exc:
+            self.rejected[wanted] = str(exc)
+            log.warning("drafter version %s rejected, %s stays: %s", wanted, self.serving, exc)
+            return None
+        with self._lock:
+            self._ready = (wanted, tensors)
+        return wanted
+
+    def take(self) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """The verified version waiting to be applied, if any (the worker calls this between steps)."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+        return ready
+
+    def applied(self, version: str) -> None:
+        self.serving = version
+        self.swaps += 1
