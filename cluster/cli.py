@@ -1,21 +1,34 @@
-"""The `specd` command line: one sub-command per job, each registered by the module that owns it."""
+"""The `specd` command line: one sub-command per job, each registered by the package that owns it.
+
+A module that owns sub-commands exposes `add_cli(subparsers)`. The CLI loads cluster's own such modules
+by name; every other package declares its modules as entry points of the `specd.commands` group in
+pyproject.toml (`name = "module:add_cli"`), which the CLI finds in the installed package's metadata.
+So cluster/ names no module of bench/ (which registers `specd bench` and `specd demo` this way). A new
+entry point shows up once the package is installed again (`pip install -e .`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 
-# Modules that own a sub-command expose `add_cli(subparsers)`; they are imported lazily by name so
-# `specd --help` stays fast and one broken optional part (say, vLLM) does not take the CLI down.
-_COMMAND_MODULES = (
-    "cluster.serve",
-    "cluster.demo",
-    "cluster.bench_engine",
-    "cluster.bench_serve",
-    "drafter_trainer.cli",
-    "cluster.trainer_actor",
-)
+COMMAND_GROUP = "specd.commands"
+# cluster's own command modules, in the order `specd --help` lists them (before the entry points).
+_CLUSTER_COMMANDS = ("cluster.serve", "cluster.trainer_actor")
+
+AddCli = Callable[[argparse._SubParsersAction], None]
+
+
+def command_registrars() -> dict[str, AddCli]:
+    """{name: add_cli} of cluster's modules, then of the installed `specd.commands` entry points."""
+    found: dict[str, AddCli] = {name: importlib.import_module(name).add_cli for name in _CLUSTER_COMMANDS}
+    for ep in entry_points(group=COMMAND_GROUP):
+        # The same project installed twice (say, a source tree's egg-info beside site-packages): first wins.
+        found.setdefault(ep.name, ep.load())
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Speculative decoding, served, with drafters that learn online.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        importlib.import_module(name).add_cli(sub)
+    for add_cli in command_registrars().values():
+        add_cli(sub)
     return parser
 
 

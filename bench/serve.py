@@ -320,10 +320,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. drafter.kind=ngram")
 
 
-def add_cli(subparsers) -> None:
-    from cluster.bench_engine import get_bench_subparsers
-
-    parser = get_bench_subparsers(subparsers).add_parser(
+def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    """`specd bench serve`, added under the `bench` parser (bench/cli.py)."""
+    parser = bench_subparsers.add_parser(
         "serve", help="load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench_serve import derived_figures, percentiles, summarize, worker_delta
+from bench.serve import derived_figures, percentiles, summarize, worker_delta
 
 
 def test_percentiles_are_nearest_rank() -> None:

@@ -1,121 +1,19 @@
-"""The systems `specd bench engine` compares, and the runners of the in-house ones.
+"""The runners of `specd bench engine`'s in-house systems: specd's engine and transformers generate().
 
-A system is one way of generating the same tokens from the same prompts with the same target:
-
-    target-only      our engine, SpecParams(enabled=False): autoregressive, the baseline of every speed-up
-    transformers     AutoModelForCausalLM.generate on the same converted model directory
-    vllm             vLLM autoregressive (cluster/bench_vllm.py)
-    vllm-ngram       vLLM with its own n-gram (prompt lookup) speculation
-    specd-chain      model drafter (the default one, reading the target's hidden states), γ = 4 fixed
-    specd-chain-tokens  the token-only model drafter (bootstrap's first stage), γ = 4 fixed
-    specd-hybrid     n-gram copy where >= 2 tokens of the context repeat, the default model drafter
-                     elsewhere (drafter.kind=hybrid), γ = 4 fixed
-    specd-tree       model drafter, token tree of width 3 and depth 4
-    specd-ngram      n-gram drafter (drafter.kind=ngram), γ = 4 fixed
-    specd-egag       model drafter, entropy-guided γ up to 8
-    specd-confidence model drafter, γ up to 8, drafting on while its top-1 probability >= 0.4
-    specd-adaptive   model drafter, acceptance-adaptive γ up to 8
-    vllm-specd-chain target.backend=vllm: vLLM verifies, specd's token-only model drafter proposes
-                     (γ = 4 fixed; vLLM does not hand its hidden states to a proposer)
-    vllm-specd-ngram target.backend=vllm with specd's n-gram drafter (γ = 4 fixed)
-
-Run as `python -m cluster.bench_systems JOB OUT --events-fd N` (see cluster/bench_child.py), one system
-per process. Every runner warms up once (one short generate), then times only generation.
+Run as `python -m bench.runners JOB OUT --events-fd N` (protocol in bench/child.py), one system per
+process; the systems are in bench/systems.py. Every runner warms up once (one short generate), then
+times only generation.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.bench_child import Events, add_request, child_main, finish_cell, groups, new_cell_result
+from bench.child import Events, add_request, child_main, finish_cell, groups, new_cell_result
+from bench.systems import SYSTEMS, specd_overrides
 
 WARMUP_TOKENS = 8
-
-
-@dataclass(frozen=True)
-class System:
-    name: str
-    kind: str                                   # "specd" | "transformers" | "vllm"
-    description: str
-    gamma: int = 3                              # specd: per-request γ budget (tree: depth)
-    policy: str = "fixed"                       # specd: γ policy
-    tree_width: int = 1                         # specd: 1 = chain
-    spec_enabled: bool = False                  # specd: False = target-only decoding
-    drafter_kind: str | None = None             # specd: "model" | "ngram" | None (no drafter)
-    backend: str = "torch"                      # specd: target.backend, "torch" or "vllm"
-    target_hidden: bool = True                  # specd model drafter: the one reading target hidden states
-    vllm_speculative: dict[str, Any] | None = field(default=None, hash=False)
-
-    @property
-    def speculative(self) -> bool:
-        return self.spec_enabled or self.vllm_speculative is not None
-
-    @property
-    def needs_model_drafter(self) -> bool:
-        return self.drafter_kind in ("model", "hybrid")
-
-    @property
-    def runner(self) -> str:
-        return self.kind
-
-
-VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-
-SYSTEMS: dict[str, System] = {
-    s.name: s
-    for s in (
-        System("target-only", "specd", "our engine, autoregressive (no drafter)"),
-        System("transformers", "transformers", "transformers generate(), same model dir"),
-        System("vllm", "vllm", "vLLM autoregressive"),
-        System("vllm-ngram", "vllm", "vLLM + its ngram speculation (k=4, lookup 2..4)",
-               vllm_speculative=VLLM_NGRAM),
-        System("specd-chain", "specd", "model drafter, chain, γ=3 fixed",
-               spec_enabled=True, drafter_kind="model"),
-        System("specd-chain-tokens", "specd", "token-only model drafter, chain, γ=3 fixed",
-               spec_enabled=True, drafter_kind="model", target_hidden=False),
-        System("specd-hybrid", "specd", "n-gram copy, else model drafter, γ=3 fixed",
-               spec_enabled=True, drafter_kind="hybrid"),
-        System("specd-tree", "specd", "model drafter, tree width 3 depth 4",
-               tree_width=3, spec_enabled=True, drafter_kind="model"),
-        System("specd-ngram", "specd", "n-gram drafter, γ=3 fixed",
-               spec_enabled=True, drafter_kind="ngram"),
-        System("specd-egag", "specd", "model drafter, EGAG γ≤8",
-               gamma=8, policy="egag", spec_enabled=True, drafter_kind="model"),
-        System("specd-confidence", "specd", "model drafter, confidence-gated γ≤8",
-               gamma=8, policy="confidence", spec_enabled=True, drafter_kind="model"),
-        System("specd-adaptive", "specd", "model drafter, adaptive γ≤8",
-               gamma=8, policy="adaptive", spec_enabled=True, drafter_kind="model"),
-        System("vllm-specd-chain", "specd", "vLLM target + specd token-only model drafter, γ=3 fixed",
-               spec_enabled=True, drafter_kind="model", backend="vllm", target_hidden=False),
-        System("vllm-specd-ngram", "specd", "vLLM target + specd n-gram drafter, γ=3 fixed",
-               spec_enabled=True, drafter_kind="ngram", backend="vllm"),
-    )
-}
-
-
-def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
-    """Config overrides for one specd system: the user's first, then what the benchmark must fix."""
-    out = list(job.get("overrides", []))
-    out += [
-        f"target.model_path={job['model_dir']}",
-        f"target.num_threads={job.get('threads', 2)}",
-        f"target.max_slots={job['max_batch']}",
-        f"target.max_seq_len={job['max_seq_len']}",
-        f"drafter.max_slots={job['max_batch']}",
-        f"spec.gamma_max={max(8, system.gamma)}",
-        f"spec.tree_width_max={max(4, system.tree_width)}",
-    ]
-    if system.drafter_kind is not None:
-        out.append(f"drafter.kind={system.drafter_kind}")
-    if system.drafter_kind in ("model", "hybrid"):
-        out.append(f"drafter.target_hidden={str(system.target_hidden).lower()}")
-    if system.backend == "vllm":
-        # vLLM's proposer takes no per-request settings: γ budget and policy are the engine's.
-        out += ["target.backend=vllm", f"spec.gamma={system.gamma}", f"spec.policy={system.policy}"]
-    return out
-
 
 def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
     from configs import load_config

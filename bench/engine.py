@@ -1,11 +1,11 @@
 """`specd bench engine`: speculative decoding against its baselines, in-process, no server.
 
-Every system (cluster/bench_systems.py) generates the same number of tokens from the same tokenized
+Every system (bench/systems.py) generates the same number of tokens from the same tokenized
 GSM8K / HumanEval eval-split prompts in the chat template, per cell (workload, batch, temperature):
 prompts run in static groups of `batch`, EOS is ignored, and generated tokens are counted from the
 outputs. Each system runs in a child process of its own (its own peak RSS, warm-up before timing);
 this module plans the run, starts the children one after another with a progress bar, and reports
-rows with the measured speed-ups (cluster/bench_report.py).
+rows with the measured speed-ups (bench/report.py).
 
     specd bench engine --quick
     specd bench engine --json out/bench.json --plot out/bench.png
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.bench_report import add_ratios, make_row, render_table, sort_rows, write_json, write_plot
-from cluster.bench_systems import SYSTEMS, System
+from bench.report import add_ratios, make_row, render_table, sort_rows, write_json, write_plot
+from bench.systems import SYSTEMS, System
 
 WORKLOADS = ("gsm8k", "humaneval")
 # Room after prompt + max_new_tokens for the largest verify forward (a tree's nodes) before rollback.
@@ -201,7 +201,7 @@ def child_env(job: dict[str, Any]) -> dict[str, str]:
 def run_child(job: dict[str, Any], workdir: Path, on_event) -> dict[str, Any]:
     """Run one system in `python -m <module>`; events arrive on a pipe, the result in a JSON file."""
     name = job["system"]
-    module = "cluster.bench_vllm" if job["runner"] == "vllm" else "cluster.bench_systems"
+    module = "bench.vllm_runner" if job["runner"] == "vllm" else "bench.runners"
     job_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("job.json", "out.json", "log"))
     job_path.write_text(json.dumps(job))
     read_fd, write_fd = os.pipe()
@@ -375,20 +375,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="config overrides for the specd systems, e.g. drafter.path=/x")
 
 
-def get_bench_subparsers(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """The subparsers of `specd bench`, created on first use and shared by every bench module
-    (stored on the parent's subparsers action), so `bench engine` and `bench serve` are siblings."""
-    existing = getattr(subparsers, "_specd_bench_subparsers", None)
-    if existing is None:
-        bench = subparsers.add_parser("bench", help="benchmarks", description="specd benchmarks")
-        bench.set_defaults(func=lambda _args: bench.print_help())
-        existing = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-        subparsers._specd_bench_subparsers = existing
-    return existing
-
-
-def add_cli(subparsers: argparse._SubParsersAction) -> None:
-    parser = get_bench_subparsers(subparsers).add_parser(
+def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    """`specd bench engine`, added under the `bench` parser (bench/cli.py)."""
+    parser = bench_subparsers.add_parser(
         "engine", help="engine benchmark (no server): specd vs target-only, transformers and vLLM",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.bench_report import (
+from bench.report import (
     add_ratios,
     make_row,
     render_table,

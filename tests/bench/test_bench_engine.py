@@ -1,4 +1,4 @@
-"""`specd bench engine`: planning, the shared `bench` CLI, the child protocol, and one real smoke run."""
+"""`specd bench engine`: planning, the `bench` CLI, the child protocol, and one real smoke run."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ import os
 
 import pytest
 
-from cluster.bench_child import Events, groups
-from cluster.bench_engine import (
+from bench.child import Events, groups
+from bench.cli import add_cli as add_bench_cli
+from bench.engine import (
     FULL,
     QUICK,
     add_arguments,
-    add_cli,
-    get_bench_subparsers,
     kv_cache_bytes,
     main,
     resolve_plan,
+    run_bench,
 )
-from cluster.bench_systems import SYSTEMS, specd_overrides
+from bench.serve import run_bench as run_serve_bench
+from bench.systems import SYSTEMS, specd_overrides
 
 
 def parse(argv):
@@ -52,16 +53,15 @@ def test_unknown_system_is_refused():
         resolve_plan(parse(["--systems", "target-only,gpt5"]))
 
 
-def test_bench_subcommands_share_one_bench_parser():
+def test_bench_subcommands_are_siblings_under_one_bench_parser():
     parser = argparse.ArgumentParser(prog="specd")
     sub = parser.add_subparsers(dest="command")
-    add_cli(sub)
-    # A second module (bench serve) adds a sibling under the same `bench` parser.
-    get_bench_subparsers(sub).add_parser("serve").set_defaults(func="serve")
+    add_bench_cli(sub)
     args = parser.parse_args(["bench", "engine", "--quick", "--json", "x.json", "drafter.min_ngram=2"])
     assert args.quick and args.json == "x.json" and args.overrides == ["drafter.min_ngram=2"]
-    assert args.func.__name__ == "run_bench"
-    assert parser.parse_args(["bench", "serve"]).func == "serve"
+    assert args.func is run_bench
+    serve = parser.parse_args(["bench", "serve", "--quick", "--clients", "2"])
+    assert serve.func is run_serve_bench and serve.quick and serve.clients == 2
     assert list(sub.choices) == ["bench"]
 
 

@@ -1,6 +1,6 @@
 """Rows, ratios, table, JSON and plot of `specd bench engine`.
 
-The children report raw counts (cluster/bench_child.py); this module turns each (system, workload,
+The children report raw counts (bench/child.py); this module turns each (system, workload,
 batch, temperature) cell into one row and adds the measured ratios: for every speculative specd row,
 its tokens/s over target-only's and over vLLM autoregressive's for the same cell, from the same run.
 Plain functions on dicts, so they are tested on tiny fake rows.
