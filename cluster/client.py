@@ -58,7 +58,9 @@ def _dict(msg: Message) -> dict:
     out = {}
     for f in msg.DESCRIPTOR.fields:
         value = getattr(msg, f.name)
-        if f.message_type is not None:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            out[f.name] = dict(value)
+        elif f.message_type is not None:
             out[f.name] = [_dict(v) for v in value] if _is_repeated(f) else _dict(value)
         else:
             out[f.name] = list(value) if _is_repeated(f) else value

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -127,6 +127,7 @@ class Backend:
     pipeline_groups: int
     max_queue: int
     metrics: SpecdMetrics | None = None
+    config: dict[str, str] = field(default_factory=dict)   # configs.flatten of the running config
 
 
 class SpecdServicer(serving_pb2_grpc.SpecdServicer):
@@ -237,6 +238,9 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
             drafted=s.drafted,
             accepted=s.accepted,
             workers=[serving_pb2.WorkerStats(**w) for w in workers],
+            gamma_policy_default=str(bounds.policy_default),
+            tree_width_default=bounds.tree_width_default,
+            config=b.config,
         )
 
 

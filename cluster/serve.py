@@ -106,6 +106,7 @@ async def _bring_up(
     from cluster.router import Backend, GrpcServer, SpecdServicer
     from cluster.scheduler import Scheduler
     from cluster.validation import Bounds, HFCodec
+    from configs import flatten
     from workers.models.loader import ensure_target_model, load_tokenizer
 
     t0 = time.perf_counter()
@@ -154,6 +155,7 @@ async def _bring_up(
         scheduler=res.scheduler, codec=codec, bounds=Bounds.from_config(cfg, info), model=info["model"],
         eos_token_ids=tuple(info["eos_token_ids"]), replicas=len(infos),
         pipeline_groups=cfg.server.pipeline_groups, max_queue=cfg.server.max_queue, metrics=metrics,
+        config=flatten(cfg),
     )
     await res.grpc.attach(backend)
     metrics_note = f", metrics on http://{cfg.server.host}:{metrics_port}/metrics" if metrics_port else ""
@@ -205,10 +207,35 @@ async def _shut_down(res: _Resources) -> None:
 
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from configs import ConfigError
+
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as err:
+        print(f"specd serve: invalid config: {err}", file=sys.stderr)
+        return 2
+    return serve(cfg)
+
+
+def config_from_args(args: argparse.Namespace) -> SpecdConfig:
+    """The validated config of `specd serve [--config-dir D] [--config-name N] [--overrides-file F]
+    overrides...`: a bad key or value fails here, before Ray or a model loads."""
     from configs import load_config
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(load_config(read_overrides_file(args.overrides_file) + list(args.overrides)))
+    overrides = read_overrides_file(args.overrides_file) + list(args.overrides)
+    return load_config(overrides, config_name=args.config_name, config_dir=args.config_dir)
+
+
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*",
+                   help="Hydra overrides and groups, e.g. drafter=ngram spec=tree spec.tree_width=3")
+    p.add_argument("--config-name", default="config",
+                   help="yaml to start from (default: the embedded configs/config.yaml)")
+    p.add_argument("--config-dir", default=None,
+                   help="directory holding --config-name's yaml (its defaults list specd_schema)")
+    p.add_argument("--overrides-file", default=None,
+                   help="file of Hydra overrides, one per line (applied before the command line's)")
 
 
 def read_overrides_file(path: str | None) -> list[str]:
@@ -281,9 +308,7 @@ def add_cli(subparsers) -> None:
     """Register `specd serve` and `specd generate` (called by cluster/cli.py)."""
     p = subparsers.add_parser("serve", help="start the gRPC server (local Ray by default)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. server.port=50052 spec.gamma=6")
-    p.add_argument("--overrides-file", default=None,
-                   help="file of Hydra overrides, one per line (before the command line's)")
+    add_config_options(p)
     p.set_defaults(func=_cmd_serve)
 
     g = subparsers.add_parser("generate", help="send one prompt to a running server")
@@ -308,8 +333,7 @@ def add_cli(subparsers) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m cluster.serve [overrides]`: the same as `specd serve` (benchmarks start it this way)."""
     parser = argparse.ArgumentParser(prog="python -m cluster.serve")
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--overrides-file", default=None)
+    add_config_options(parser)
     return _cmd_serve(parser.parse_args(argv))
 
 

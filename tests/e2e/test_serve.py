@@ -49,9 +49,11 @@ def server():
     from cluster.serve import serve
     from configs import load_config
 
-    cfg = load_config(["server.port=0", f"server.metrics_port={free_port()}", "target.max_slots=4",
-                       "drafter.max_slots=4", "target.max_seq_len=512", "server.max_queue=8"])
-    cfg.drafter.kind = drafter_kind(cfg.cache_dir)
+    # config groups and single keys, as `specd serve` takes them; ServerInfo must report them back
+    drafter_group = "hidden" if drafter_kind(None) == "model" else "ngram"
+    cfg = load_config([f"drafter={drafter_group}", "spec=chain", "spec.tree_width_max=3", "server.port=0",
+                       f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
+                       "target.max_seq_len=512", "server.max_queue=8"])
     ray.init(num_cpus=4, include_dashboard=False, namespace="specd-e2e", log_to_driver=False)
     ready, handles, errors = threading.Event(), [], []
 
@@ -141,6 +143,17 @@ def test_health_reflection_and_info(server) -> None:
     info = c.server_info()
     assert info["model"] == "SmolLM2-135M-Instruct" and info["vocab_size"] == 49152
     assert info["workers"][0]["free_slots"] == 4
+
+
+def test_config_groups_and_overrides_reach_the_server(server) -> None:
+    info = server["client"].server_info()
+    config = info["config"]
+    assert config["drafter.kind"] == drafter_kind(None)          # from the drafter group
+    assert config["spec.tree_width"] == "1" and info["tree_width_default"] == 1    # spec=chain
+    assert config["spec.tree_width_max"] == "3" and info["tree_width_max"] == 3   # a single key
+    assert config["target.max_slots"] == "4" and config["server.port"] == "0"
+    assert info["gamma_policy_default"] == config["spec.policy"] == "fixed"
+    assert info["gamma_default"] == int(config["spec.gamma"])
 
 
 def wait_for_free_slots(c: SpecdClient, expected: int) -> dict:

@@ -235,6 +235,14 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
         assert env[0]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
     url = next(e["value"] for e in router_container(docs)["env"] if e["name"] == "SPECD_REDIS_URL")
     assert url == redis.get("externalUrl") or url.startswith("redis://rel-specd-redis.specd.svc")
+    from configs import load_config
+
+    cfg = load_config(cfg_lines)
+    assert cfg.replay.redis_url == url           # the replay writer and trainer use the same Redis
+    password_env = next(e for e in router_container(docs)["env"] if e["name"] == cfg.replay.password_env)
+    assert password_env["valueFrom"]["secretKeyRef"]["key"] == redis.get("password", {}).get(
+        "key", "redis-password")
+    assert cfg.trainer.enabled == ("trainer" in groups)
 
 
 @pytest.mark.parametrize("bad", [
