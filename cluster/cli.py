@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import distributions
 
 COMMAND_GROUP = "specd.commands"
 # cluster's own command modules, in the order `specd --help` lists them (before the entry points).
@@ -25,9 +25,12 @@ AddCli = Callable[[argparse._SubParsersAction], None]
 def command_registrars() -> dict[str, AddCli]:
     """{name: add_cli} of cluster's modules, then of the installed `specd.commands` entry points."""
     found: dict[str, AddCli] = {name: importlib.import_module(name).add_cli for name in _CLUSTER_COMMANDS}
-    for ep in entry_points(group=COMMAND_GROUP):
-        # The same project installed twice (say, a source tree's egg-info beside site-packages): first wins.
-        found.setdefault(ep.name, ep.load())
+    # Every copy of the metadata, not entry_points(), which keeps only the first distribution of a name:
+    # an old specd.egg-info left in the source tree would hide the installed entry points.
+    for dist in distributions():
+        for ep in dist.entry_points.select(group=COMMAND_GROUP):
+            if ep.name not in found:
+                found[ep.name] = ep.load()
     return found
 
 
