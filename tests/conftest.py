@@ -6,17 +6,10 @@ cached on disk, and the tests that use it are kept few and short so that CI runs
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-# Plain `pytest` (rootdir-relative imports) puts tests/ on sys.path for this file, and there the
-# directory tests/workers would shadow the real `workers` package as a namespace package.
-_REPO = str(Path(__file__).resolve().parents[1])
-if sys.path[0] != _REPO:
-    sys.path.insert(0, _REPO)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # Two cores shared by everything on this machine; more threads only add contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -38,3 +38,11 @@ def test_imports_point_one_way(package):
         if imported_top_levels(f) & set(RULES[package])
     }
     assert not wrong, f"{package}/ may not import {RULES[package]}: {wrong}"
+
+
+@pytest.mark.parametrize("package", ["workers", "cluster", "drafter_trainer", "bench", "proto", "configs"])
+def test_tests_import_the_real_packages(package):
+    # tests/<package> directories have no __init__.py: they must never stand in for the package itself
+    # (pytest's pythonpath puts the repository first, and a regular package wins over a namespace dir).
+    module = __import__(package)
+    assert module.__file__ == str(REPO / package / "__init__.py")
