@@ -110,6 +110,9 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
     for kw in (dict(tree_width=2), dict(gamma_policy="egag"), dict(gamma_policy="adaptive", gamma=8),
                dict(gamma=0), dict(top_k=40, top_p=0.9)):    # top-k/top-p leave greedy unchanged
         assert c.generate(PROMPTS[0], max_new_tokens=24, **kw).token_ids == ref, kw
+    if drafter_kind(None) == "model":  # the n-gram drafter's trees are chains
+        tree = c.generate(PROMPTS[0], max_new_tokens=24, tree_width=2, gamma=3)
+        assert tree.usage["drafted"] > 3 * tree.usage["steps"], "a tree, not a chain of γ = 3"
     sampled = [c.generate(PROMPTS[0], max_new_tokens=12, temperature=0.8, seed=7).token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]          # a seeded request is reproducible
 

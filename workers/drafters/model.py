@@ -249,10 +249,15 @@ class ModelDrafter(Drafter):
 
     # ---- token trees ----------------------------------------------------------------------------
     def propose_tree(self, request_ids, depths, widths, params, policy=None, states=None) -> DraftTree:
-        if self.uses_target_hidden:
-            # Not built for feature drafters yet: their tree is a chain, which the tree verifier takes.
-            return super().propose_tree(request_ids, depths, widths, params, policy=policy, states=states)
         return self._propose_tree(request_ids, depths, widths, params)
+
+    def _tree_features(self, seq: _DraftSeq, parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """A feature drafter's inputs for a tree's nodes, as in a chain: every node gets the newest
+        target state there is (the root's), marked as stale as the node is deep (the root: fresh)."""
+        depth = [0]
+        for parent in parents[1:]:
+            depth.append(depth[parent] + 1)
+        return seq.feed_hidden[-1:].expand(len(parents), -1), depth
 
     def _propose_tree(self, request_ids, depths, widths, params) -> DraftTree:
         """Top-`width` first tokens, each continued as a chain to `depth`: one forward per level.
@@ -269,9 +274,15 @@ class ModelDrafter(Drafter):
         trees = {i: ([seqs[i].feed[-1]], [-1]) for i in rows}           # (tokens, parents), root first
         q_child: dict[int, list[torch.Tensor | None]] = {i: [None] for i in rows}
         for i in rows:
-            if len(seqs[i].feed) > 1:
-                self.runner.extend([seqs[i].slot], [seqs[i].feed[:-1]])
-            seqs[i].feed = seqs[i].feed[-1:]
+            seq = seqs[i]
+            if len(seq.feed) > 1:
+                extra = {}
+                if self.uses_target_hidden:
+                    extra = dict(features=[seq.feed_hidden[:-1]], staleness=[[0] * (len(seq.feed) - 1)])
+                self.runner.extend([seq.slot], [seq.feed[:-1]], **extra)
+            seq.feed = seq.feed[-1:]
+            if seq.feed_hidden is not None:
+                seq.feed_hidden = seq.feed_hidden[-1:]
         frontier = {i: [0] for i in rows}
         for level in range(max((depths[i] for i in rows), default=0)):
             rows = [i for i in rows if level < depths[i]]
@@ -279,7 +290,13 @@ class ModelDrafter(Drafter):
                 break
             slots = [seqs[i].slot for i in rows]
             starts = [self.runner.length(s) for s in slots]
-            logits = self.runner.extend_trees(slots, [trees[i][0] for i in rows], [trees[i][1] for i in rows])
+            extra = {}
+            if self.uses_target_hidden:
+                node_inputs = [self._tree_features(seqs[i], trees[i][1]) for i in rows]
+                extra = dict(features=[f for f, _ in node_inputs], staleness=[d for _, d in node_inputs])
+            logits = self.runner.extend_trees(
+                slots, [trees[i][0] for i in rows], [trees[i][1] for i in rows], **extra
+            )
             for s, start in zip(slots, starts, strict=True):
                 self.runner.rollback(s, start)
             for j, i in enumerate(rows):

@@ -242,19 +242,24 @@ class ModelRunner:
         trees_tokens: list[list[int] | torch.Tensor],
         trees_parents: list[list[int] | torch.Tensor],
         return_hidden: bool = False,
+        features: list[torch.Tensor] | None = None,
+        staleness: list[list[int]] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Batched extend_tree over several slots (trees padded to the largest): [b, n_max, vocab]."""
+        """Batched extend_tree over several slots (trees padded to the largest): [b, n_max, vocab].
+
+        features[i] [len(trees_tokens[i]), hidden] and staleness[i] feed a feature drafter, per node.
+        """
         sizes = [len(t) for t in trees_tokens]
         groups = self._fitting_groups(slots, sizes)
         if groups is not None:
-            outs = [
-                self.extend_trees(
-                    [slots[i] for i in g], [trees_tokens[i] for i in g], [trees_parents[i] for i in g],
-                    return_hidden=return_hidden,
+            def part(rows):
+                feats = None if features is None else [features[i] for i in rows]
+                stale = None if staleness is None else [staleness[i] for i in rows]
+                return self.extend_trees(
+                    [slots[i] for i in rows], [trees_tokens[i] for i in rows],
+                    [trees_parents[i] for i in rows], return_hidden, feats, stale,
                 )
-                for g in groups
-            ]
-            return self._merge_rows(groups, outs, len(slots), return_hidden)
+            return self._merge_rows(groups, [part(g) for g in groups], len(slots), return_hidden)
         n = max(sizes)
         b = len(slots)
         ids = torch.zeros(b, n, dtype=torch.long)
@@ -274,6 +279,9 @@ class ModelRunner:
                 mask[row, i] |= mask[row, parent]  # ancestors of the parent, then self (eye)
         starts = self.cache.lengths[slots]  # [b]
         positions = starts[:, None] + depth  # [b, n]
+        feats = stale = None
+        if features is not None:
+            feats, stale = self._feature_inputs(features, staleness, sizes, n)
         logits = self._forward(
             ids.to(self.device),
             positions.to(self.device),
@@ -281,6 +289,8 @@ class ModelRunner:
             self.cache,
             attn_mask=mask.to(self.device),
             full_vocab=self.full_vocab,
+            features=feats,
+            staleness=stale,
             return_hidden=return_hidden,
         )
         self.cache.lengths[slots] = starts + torch.tensor(sizes)

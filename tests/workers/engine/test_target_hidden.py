@@ -184,3 +184,30 @@ def test_sampled_runs_are_seeded_and_lossless_in_shape(cfg, target):
         runs.append([s.output for s in seqs])
         assert all(len(s.output) == 32 for s in seqs)
     assert runs[0] == runs[1]
+
+
+def test_feature_drafter_drafts_real_trees_from_a_fresh_cache(cfg, target, hidden_drafter_dir):
+    """Trees, not chains; each tree equals the one a new drafter given the whole verified text drafts,
+    and its first branch is the greedy chain (same states, same staleness per depth)."""
+    drafter = ModelDrafter(hidden_drafter_dir, max_slots=2, max_seq_len=256)
+    greedy = SamplingParams()
+    req = NewRequest("t0", PROMPTS[1], greedy, 40, SpecParams(gamma=3, tree_width=2))
+    first, hidden = target.start([req], return_hidden=True)
+    text, states = PROMPTS[1] + first[0], hidden[0]
+    drafter.add_request("t0", text, hidden=states)
+    from workers.engine.types import Draft
+
+    for step in range(5):
+        tree = drafter.propose_tree(["t0"], [3], [2], [greedy])
+        assert len(tree.tokens[0]) == 6, "width 2 x depth 3 nodes"
+        fresh = ModelDrafter(hidden_drafter_dir, max_slots=2, max_seq_len=256)
+        fresh.add_request("f", text, hidden=states)
+        assert fresh.propose_tree(["f"], [3], [2], [greedy]).tokens == tree.tokens, f"step {step}"
+        fresh.add_request("c", text, hidden=states)
+        branch = [tree.tokens[0][n] for n in (0, 2, 4)]  # first child, then its descendants
+        assert fresh.propose(["c"], [3], [greedy]).tokens[0] == branch
+        draft = Draft("t0", tree.tokens[0], None, [-1, *tree.parents[0]])
+        res = target.verify([draft], return_hidden=True)[0]
+        drafter.commit("t0", res.num_accepted, res.new_tokens, hidden=res.hidden)
+        text, states = text + res.new_tokens, torch.cat([states, res.hidden])
+    target.release(["t0"])
