@@ -203,11 +203,13 @@ class DraftWorker:
         chains: dict[str, list[tuple[DraftItem, _DraftRequest, int]]] = {}
         trees: dict[str, list[tuple[DraftItem, _DraftRequest, int, int]]] = {}
         for item, r, remaining in planned:
+            room = self._kv_room(r, remaining)
             if r.request.spec.tree_width > 1:
                 depth, width = r.policy.plan_tree(r.state, remaining)
-                trees.setdefault(r.request.spec.policy, []).append((item, r, min(depth, item.gamma), width))
+                depth, width = fit_tree(min(depth, item.gamma), width, room)
+                trees.setdefault(r.request.spec.policy, []).append((item, r, depth, width))
             else:
-                gamma = min(r.policy.plan(r.state, remaining), item.gamma)
+                gamma = min(r.policy.plan(r.state, remaining), item.gamma, room)
                 chains.setdefault(r.request.spec.policy, []).append((item, r, gamma))
         drafts: dict[str, Draft] = {}
         t1 = time.perf_counter()
@@ -220,6 +222,15 @@ class DraftWorker:
         self._observe_drafting(drafts, t2 - t1)
         self._busy += t2 - t0
         return [drafts[item.request_id] for item in items]
+
+    def _kv_room(self, r: _DraftRequest, remaining: int) -> int:
+        """Draft nodes this step may add: the target writes 1 + nodes positions after the committed
+        context (prompt + generated - 1). At least `remaining`, since every request is admitted with
+        prompt + max_new_tokens <= max_seq_len; more when the context is known to leave more."""
+        if self.max_seq_len is None:
+            return remaining
+        context = len(r.request.prompt_token_ids) + r.generated
+        return max(remaining, self.max_seq_len - context)
 
     def _plan_goodput(self, planned: list[tuple[DraftItem, _DraftRequest, int]]) -> None:
         """One goodput plan for the requests on that policy; the others enter it at their γ cap."""
