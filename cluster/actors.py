@@ -58,6 +58,8 @@ def ray_init_kwargs(cfg: SpecdConfig) -> dict[str, Any]:
         del kwargs["include_dashboard"]        # only meaningful when starting a cluster
     else:
         needed = sum(b.get("CPU", 0.0) for b in placement_bundles(cfg)) + 1
+        if cfg.replay.enabled and cfg.trainer.enabled:
+            needed += cfg.trainer.num_cpus      # the online trainer's actor (cluster/trainer_actor.py)
         kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(needed))
     return kwargs
 

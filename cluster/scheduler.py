@@ -92,6 +92,7 @@ class SchedulerObserver:
     def on_first_token(self, seconds: float) -> None: ...
     def on_step(self, replica: int, draft: Draft, result: VerifyResult, depth: int) -> None: ...
     def on_finish(self, reason: str, stats: ServedStats) -> None: ...
+    def on_request_done(self, seq: Sequence, reason: str) -> None: ...
 
 
 @dataclass
@@ -410,6 +411,7 @@ class Scheduler:
         self.accepted += req.stats.spec.accepted
         req.events.put_nowait(FinishEvent(reason, req.stats, error))
         self.observer.on_finish(reason, req.stats)
+        self.observer.on_request_done(req.seq, reason)
 
     async def _retire(self, rep: _Replica, group: _Group) -> None:
         """Release finished and cancelled members on both workers, then admit waiting requests."""

@@ -51,6 +51,7 @@ class _Resources:
     cluster: Any = None
     scheduler: Any = None
     metrics_http: Any = None
+    online: Any = None                  # cluster.online.OnlineParts
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -121,6 +122,9 @@ async def _bring_up(
     install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
     codec = HFCodec(await asyncio.to_thread(load_tokenizer, model_dir))
+    from cluster.first_start import ensure_serving_drafter
+
+    await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
     res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir))
     await res.cluster.placement_group.ready()
     infos = await asyncio.gather(*[r.target.info.remote() for r in res.cluster.replicas])
@@ -131,6 +135,12 @@ async def _bring_up(
              len(infos))
 
     metrics = SpecdMetrics()
+    from cluster.online import OnlineMetrics, follow_trainer, start_online
+    from cluster.replay import ObserverFanout
+
+    res.online = await asyncio.to_thread(start_online, cfg, str(model_dir),
+                                         [r.drafter for r in res.cluster.replicas], metrics.registry)
+    observer = ObserverFanout([metrics, res.online.recorder]) if res.online.recorder else metrics
     res.scheduler = Scheduler(
         [(r.target, r.drafter) for r in res.cluster.replicas],
         capacity=capacity,
@@ -138,7 +148,7 @@ async def _bring_up(
         max_running=cfg.server.max_running,
         pipeline_groups=cfg.server.pipeline_groups,
         eos_token_ids=info["eos_token_ids"],
-        observer=metrics,
+        observer=observer,
     )
     await res.scheduler.start()
     if cfg.server.warmup:
@@ -149,7 +159,9 @@ async def _bring_up(
     metrics_port = None
     if cfg.server.metrics_port:
         res.metrics_http, metrics_port = metrics.serve_http(cfg.server.metrics_port, cfg.server.host)
-    res.tasks.append(asyncio.create_task(_poll_worker_stats(res.scheduler, metrics)))
+    res.tasks.append(asyncio.create_task(_poll_worker_stats(res.scheduler, metrics, res.online,
+                                                            OnlineMetrics(metrics.registry))))
+    res.tasks.append(asyncio.create_task(follow_trainer(res.online, str(model_dir))))
 
     backend = Backend(
         scheduler=res.scheduler, codec=codec, bounds=Bounds.from_config(cfg, info), model=info["model"],
@@ -176,11 +188,15 @@ async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:
             raise RuntimeError(f"warm-up failed: {fin.error}")
 
 
-async def _poll_worker_stats(scheduler, metrics) -> None:
+async def _poll_worker_stats(scheduler, metrics, online=None, online_metrics=None) -> None:
+    from cluster.online import poll_online
+
     while True:
         await asyncio.sleep(WORKER_STATS_PERIOD_S)
         try:
             metrics.set_worker_stats(await scheduler.worker_stats())
+            if online is not None:
+                await poll_online(online, online_metrics)
         except Exception:  # a dying worker must not end the poller; the next poll tries again
             log.warning("worker stats poll failed", exc_info=True)
 
@@ -192,6 +208,8 @@ async def _shut_down(res: _Resources) -> None:
         await res.grpc.stop(grace=2.0)
     if res.scheduler is not None:
         await res.scheduler.stop()
+    if res.online is not None:
+        await asyncio.to_thread(res.online.stop)
     if res.metrics_http is not None:
         res.metrics_http.shutdown()
     if res.cluster is not None:

@@ -1,0 +1,51 @@
+"""A fast first start: `specd serve` on a machine where no drafter has been bootstrapped yet.
+
+The full offline bootstrap (`specd bootstrap-drafter`, about 55 minutes here) is no longer needed to
+serve. With drafter.path unset and no bootstrapped drafter in the cache, serve uses the quick drafter
+(`boot-quick`, and `boot-quick-hidden` that reads the target's hidden states), building it first when
+it is missing too: a couple of minutes on 2 CPU cores (the bootstrap's --quick preset). Online
+distillation then improves it on live traffic. A bootstrapped drafter, when there is one, wins.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+QUICK_NAME = "boot-quick"
+
+
+def quick_drafter_dirs(cache_dir: str | None) -> tuple[Path, Path]:
+    from workers.models.loader import default_cache_dir
+
+    root = Path(cache_dir or default_cache_dir()) / "drafters"
+    return root / QUICK_NAME, root / f"{QUICK_NAME}-hidden"
+
+
+def ensure_serving_drafter(cfg, model_dir: str) -> str | None:
+    """Set cfg.drafter.path to the quick drafter when serving would otherwise find none; returns the
+    path chosen, or None when config or the cache already name a drafter (or none is needed)."""
+    from workers.drafters.model import default_drafter_dir
+
+    d = cfg.drafter
+    hidden = bool(d.target_hidden) and cfg.target.backend == "torch"
+    if d.kind not in ("model", "hybrid") or d.path:
+        return None
+    if (default_drafter_dir(cfg.cache_dir, target_hidden=hidden) / "config.json").exists():
+        return None
+    token_dir, hidden_dir = quick_drafter_dirs(cfg.cache_dir)
+    want = hidden_dir if hidden else token_dir
+    if not (want / "config.json").exists():
+        from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_drafter
+
+        log.warning("no bootstrapped drafter in the cache: building the quick one (a few minutes; "
+                    "`specd bootstrap-drafter` builds the full one offline); online training improves it")
+        t0 = time.perf_counter()
+        bootstrap_drafter(BootstrapConfig.quick(target_dir=str(model_dir), out_dir=str(token_dir),
+                                                hidden_out_dir=str(hidden_dir), target_hidden=hidden,
+                                                progress=False))
+        log.info("quick drafter built in %.0f s", time.perf_counter() - t0)
+    d.path = str(want)
+    return d.path

@@ -1,0 +1,133 @@
+"""Bring-up of online adaptation inside `specd serve`: Redis, the replay writer, the trainer actor, and
+DraftWorkers following the trainer's published versions. Each part is optional (replay.enabled,
+trainer.enabled) and none of them can stop serving: a part that fails to start is logged and left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge
+
+log = logging.getLogger(__name__)
+SWAP_POLL_S = 2.0
+
+
+@dataclass
+class OnlineParts:
+    managed_redis: Any = None
+    writer: Any = None
+    recorder: Any = None
+    trainer: Any = None            # Ray actor handle of cluster.trainer_actor.TrainerActor
+    drafters: list = field(default_factory=list)   # DraftWorker handles that follow the version store
+    store: str | None = None
+
+    def stop(self) -> None:
+        """Best effort, in reverse order of start: nothing here may keep the server from exiting."""
+        if self.trainer is not None:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.get(self.trainer.stop.remote(), timeout=15)
+            with contextlib.suppress(Exception):
+                ray.kill(self.trainer)
+        if self.writer is not None:
+            self.writer.stop()
+        if self.managed_redis is not None:
+            self.managed_redis.stop()
+
+
+def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistry | None) -> OnlineParts:
+    """Start what config asks for; `drafters`: the replicas' DraftWorker actor handles."""
+    from cluster.redis_server import open_redis
+    from cluster.replay import ReplayRecorder
+    from cluster.replay_writer import ReplayWriter
+    from cluster.trainer_actor import start_trainer_actor, store_root
+    from workers.drafters.versions import target_checksum
+
+    parts = OnlineParts()
+    if not cfg.replay.enabled:
+        return parts
+    try:
+        endpoint, parts.managed_redis = open_redis(cfg.replay)
+    except (OSError, RuntimeError) as exc:
+        log.warning("online adaptation off: no Redis (%s)", exc)
+        return parts
+    r = cfg.replay
+    parts.writer = ReplayWriter(endpoint, r.stream, maxlen=r.maxlen, queue_size=r.queue_size,
+                                socket_timeout_s=r.socket_timeout_s, retry_s=r.retry_s, registry=registry)
+    parts.writer.start()
+    parts.recorder = ReplayRecorder(parts.writer, target_checksum(model_dir))
+    log.info("replay records -> %s stream %s (MAXLEN ~%d)", endpoint.url, r.stream, r.maxlen)
+    if not cfg.trainer.enabled:
+        return parts
+    if cfg.drafter.kind != "model":
+        log.warning("trainer off: drafter.kind=%s has no weights to train (use drafter.kind=model)",
+                    cfg.drafter.kind)
+        return parts
+    parts.trainer = start_trainer_actor(cfg, endpoint)
+    parts.store = str(store_root(cfg))
+    parts.drafters = list(drafters)
+    return parts
+
+
+async def follow_trainer(parts: OnlineParts, model_dir: str) -> None:
+    """Once the trainer is up (it publishes the serving drafter as the store's first version when the
+    store is empty), point the DraftWorkers at its store. Runs beside serving, never before it."""
+    if parts.trainer is None:
+        return
+    try:
+        await parts.trainer.stats.remote()
+        for d in parts.drafters:
+            await d.watch_versions.remote(parts.store, str(model_dir), SWAP_POLL_S)
+    except Exception:  # the trainer is optional: serving goes on with the drafter it has
+        log.exception("online trainer failed to start; serving continues without it")
+        parts.drafters = []
+        return
+    log.info("online trainer up; drafters follow %s", parts.store)
+
+
+class OnlineMetrics:
+    """Gauges of the trainer and the swaps, polled with the worker stats."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.loss = Gauge("specd_trainer_loss", "Latest distillation loss of the online trainer", registry=r)
+        self.records = Gauge("specd_trainer_records_seen", "Replay records the trainer has read", registry=r)
+        self.gate = Gauge("specd_trainer_gate_expected_acceptance",
+                          "Gate: expected acceptance on held-out records", ["model"], registry=r)
+        self.gate_match = Gauge("specd_trainer_gate_greedy_match", "Gate: greedy match on held-out records",
+                                ["model"], registry=r)
+        self.publishes = Gauge("specd_trainer_publishes", "Versions published by the trainer", registry=r)
+        self.rollbacks = Gauge("specd_trainer_rollbacks", "Rollbacks to a parent version", registry=r)
+        self.swaps = Gauge("specd_drafter_swaps", "Hot-swaps applied by a DraftWorker", ["replica"],
+                           registry=r)
+        self.rejected = Gauge("specd_drafter_versions_rejected", "Published versions a DraftWorker rejected",
+                              ["replica"], registry=r)
+
+    def set_trainer(self, s: dict) -> None:
+        if s.get("last_loss") == s.get("last_loss"):     # not NaN
+            self.loss.set(s["last_loss"])
+        self.records.set(s.get("records_seen", 0))
+        self.publishes.set(s.get("publishes", 0))
+        self.rollbacks.set(s.get("rollbacks", 0))
+        for model in ("candidate", "serving"):
+            g = s.get(f"gate_{model}") or {}
+            if g:
+                self.gate.labels(model).set(g["expected_acceptance"])
+                self.gate_match.labels(model).set(g["greedy_match"])
+
+    def set_swaps(self, replica: int, s: dict) -> None:
+        self.swaps.labels(str(replica)).set(s.get("swaps", 0))
+        self.rejected.labels(str(replica)).set(len(s.get("rejected", {})))
+
+
+async def poll_online(parts: OnlineParts, metrics: OnlineMetrics) -> None:
+    """One poll of the trainer and the drafters (the serve loop calls it with the worker stats)."""
+    if parts.trainer is not None:
+        metrics.set_trainer(await parts.trainer.stats.remote())
+    for i, d in enumerate(parts.drafters):
+        metrics.set_swaps(i, await d.swap_stats.remote())

@@ -1,0 +1,141 @@
+"""Replay records from serving: the scheduler with real (tiny) workers records every finished request
+exactly (its prompt, output, steps), and with the real Redis stopped and restarted while requests
+stream, every request still finishes, drops are counted, and writing resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from cluster.redis_server import ManagedRedis
+from cluster.replay import ObserverFanout, ReplayRecorder
+from cluster.replay_writer import RECORD_FIELD, ReplayWriter
+from cluster.scheduler import FinishEvent, Scheduler, SchedulerObserver, TokensEvent
+from configs import load_config
+from proto.replay_codec import decode_record
+from tests.drafter_trainer.online_helpers import make_tiny_drafter
+from workers.core.sampling import SamplingParams
+from workers.engine.draft_worker import DraftWorker
+from workers.engine.target_worker import TargetWorker
+from workers.engine.types import NewRequest, SpecParams
+
+PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 30, 31], [40, 41], [3, 4, 5, 6, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir, tmp_path_factory):
+    drafter_dir = make_tiny_drafter(tiny_llama_dir, tmp_path_factory.mktemp("d") / "drafter")
+    cfg = load_config([f"target.model_path={tiny_llama_dir}", f"drafter.path={drafter_dir}",
+                       "target.max_slots=8", "drafter.max_slots=8", "target.max_seq_len=256"])
+    return TargetWorker(cfg.target), DraftWorker(cfg.drafter, cfg.spec, str(tiny_llama_dir))
+
+
+class ListWriter:
+    def __init__(self):
+        self.records = []
+
+    def submit(self, record) -> bool:
+        self.records.append(record)
+        return True
+
+
+async def _run(sched: Scheduler, tag: str, n_tokens: int, gamma: int = 3, tree: int = 1) -> list[list[int]]:
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        spec = SpecParams(gamma=gamma, tree_width=tree)
+        tokens: list[int] = []
+        async for ev in sched.submit(NewRequest(f"{tag}-{i}", prompt, SamplingParams(), n_tokens, spec),
+                                     ignore_eos=True):
+            if isinstance(ev, TokensEvent):
+                tokens += ev.tokens
+            else:
+                assert isinstance(ev, FinishEvent) and ev.reason == "length", ev
+        return tokens
+
+    return await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
+
+
+def _scheduler(workers, observer: SchedulerObserver) -> Scheduler:
+    target, drafter = workers
+    return Scheduler([(target, drafter)], capacity=8, max_queue=16, max_running=8, pipeline_groups=2,
+                     observer=observer)
+
+
+@pytest.mark.parametrize("tree", [1, 3])
+def test_every_finished_request_becomes_an_exact_record(workers, tree):
+    writer = ListWriter()
+    recorder = ReplayRecorder(writer, target_checksum="abc")
+
+    async def main():
+        sched = _scheduler(workers, ObserverFanout([SchedulerObserver(), recorder]))
+        await sched.start()
+        try:
+            return await _run(sched, f"t{tree}", 23, tree=tree)
+        finally:
+            await sched.stop()
+
+    outputs = asyncio.run(main())
+    assert recorder.running() == 0
+    by_id = {r.request_id: r for r in writer.records}
+    assert len(by_id) == len(PROMPTS)
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
+        rec = by_id[f"t{tree}-{i}"]
+        assert list(rec.prompt_token_ids) == prompt and list(rec.output_token_ids) == out
+        assert rec.target_checksum == "abc" and rec.steps
+        offsets = [s.output_offset for s in rec.steps]
+        assert offsets[0] == 1 and offsets == sorted(offsets)
+        for s, nxt in zip(rec.steps, [*offsets[1:], len(out)], strict=True):
+            assert nxt - s.output_offset <= s.accepted + 1    # a step emits accepted + 1 (the last one cut)
+            assert s.accepted <= len(s.drafted)
+            if tree > 1 and s.drafted:
+                assert len(s.parents) == len(s.drafted)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_redis_stopped_and_restarted_while_serving_fails_nothing(workers):
+    registry = CollectorRegistry()
+    server = ManagedRedis().start()
+    writer = ReplayWriter(server.endpoint, "s", maxlen=1000, queue_size=4, socket_timeout_s=0.3,
+                          retry_s=0.2, registry=registry).start()
+    recorder = ReplayRecorder(writer)
+
+    async def main():
+        sched = _scheduler(workers, ObserverFanout([SchedulerObserver(), recorder]))
+        await sched.start()
+        try:
+            first = await _run(sched, "up", 12)
+            await asyncio.to_thread(_wait, lambda: writer.written == len(PROMPTS))
+            server.stop()
+            down = [await _run(sched, f"down{k}", 12) for k in range(4)]
+            await asyncio.to_thread(_wait, lambda: writer.dropped > 0)
+            server.start()
+            back = [await _run(sched, f"back{k}", 12) for k in range(3)]
+            return first, down, back
+        finally:
+            await sched.stop()
+
+    try:
+        first, down, back = asyncio.run(main())
+        assert all(len(t) == 12 for t in first)
+        assert all(len(t) == 12 for wave in down + back for t in wave)
+        assert _wait(lambda: server.endpoint.client().xlen("s") > 0)
+        last = decode_record(server.endpoint.client().xrevrange("s", count=1)[0][1][RECORD_FIELD])
+        assert last.request_id.startswith("back")
+        dropped = sum(registry.get_sample_value("specd_replay_records_dropped_total", {"reason": r}) or 0
+                      for r in ("queue_full", "redis_error"))
+        assert dropped == writer.dropped > 0
+    finally:
+        writer.stop()
+        server.stop()
+
+
+def _wait(cond, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
