@@ -16,11 +16,14 @@ n-gram drafter: `probs` is None and the verifier treats q as one-hot on the draf
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from workers.core.gamma import GammaPolicy, GammaState
@@ -142,8 +145,13 @@ class Drafter(ABC):
 
         Default for drafters without branching: a chain of depths[i] tokens (width ignored), which the tree
         verifier handles like any other tree. Drafters that can branch (the model drafter, from its top-w
-        candidates) override this.
+        candidates) override this. Said once per drafter in the log, so a tree_width that runs as a
+        chain is never silent.
         """
+        if any(w > 1 for w in widths) and not getattr(self, "_said_chain", False):
+            self._said_chain = True
+            log.warning("drafter %s (%s) cannot branch: tree_width > 1 runs as a chain", self.name,
+                        self.version)
         chain = self.propose(request_ids, depths, params, policy=policy, states=states)
         parents = [list(range(len(tokens))) for tokens in chain.tokens]
         return DraftTree(

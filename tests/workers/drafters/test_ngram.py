@@ -132,3 +132,14 @@ def test_request_lifecycle_errors() -> None:
     drafter.remove_request("r")  # removing twice is harmless (aborts may race with completion)
     with pytest.raises(ValueError):
         NGramDrafter(min_ngram=3, max_ngram=2)
+
+
+def test_a_tree_request_runs_as_a_chain_and_says_so_once(caplog) -> None:
+    drafter = drafter_with([1, 2, 3, 1, 2])
+    params = [None]
+    with caplog.at_level("WARNING", logger="workers.drafters.base"):
+        for _ in range(2):
+            tree = drafter.propose_tree(["r"], [2], [3], params)
+    assert tree.parents == [list(range(len(tree.tokens[0])))]
+    said = [r for r in caplog.records if "cannot branch" in r.getMessage()]
+    assert len(said) == 1 and "ngram" in said[0].getMessage()
