@@ -38,6 +38,7 @@ class DrafterKind(StrEnum):
     model = "model"
     ngram = "ngram"
     hybrid = "hybrid"
+    suffix = "suffix"
 
 
 class Pack(StrEnum):
@@ -88,7 +89,7 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    kind: DrafterKind = DrafterKind.model   # key of workers.drafters.registry.DRAFTERS: model, ngram, hybrid
+    kind: DrafterKind = DrafterKind.model   # workers.drafters.registry.DRAFTERS: model, ngram, hybrid, suffix
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
     # With path None: the bootstrapped drafter that reads the target's hidden states (boot-hidden), or,
     # when False, the token-only one (boot-default). The vLLM backend always takes the token-only one:
@@ -114,6 +115,14 @@ class DrafterConfig:
     min_ngram: int = 1                  # n-gram drafter: shortest suffix it matches
     max_ngram: int = 4                  # n-gram drafter: longest suffix it matches
     hybrid_min_match: int = 2           # kind=hybrid: copy (n-gram) when >= this many tokens match
+    # kind=suffix (workers/drafters/suffix.py): suffix index over served traffic + one per request
+    suffix_with_model: bool = True      # the model drafter drafts where it promises more per unit cost
+    suffix_max_depth: int = 24          # longest substring the index holds (match + continuation)
+    suffix_max_match: int = 12          # longest context suffix matched
+    suffix_min_match: int = 2           # shorter matches do not draft
+    suffix_min_prob: float = 0.1        # a drafted node's path frequency must reach this
+    suffix_max_nodes: int = 1_000_000   # global index size cap; past it the oldest indexed requests go
+    suffix_model_cost: float = 0.1      # a model-drafted level's cost, in target forwards
 
 
 @dataclass

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from workers.core.sampling import SamplingParams
 
 
+# Request ids with this prefix are the system's own scratch requests (the start-up cost profile): drafters
+# that learn from served traffic (the suffix drafter) must not learn from them.
+SCRATCH_PREFIX = "__scratch-"
+
+
 @dataclass
 class DraftProposal:
     """Chain drafts for a batch of requests.

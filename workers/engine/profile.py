@@ -16,6 +16,7 @@ import torch
 
 from workers.core.goodput import interpolate
 from workers.core.sampling import SamplingParams
+from workers.drafters.base import SCRATCH_PREFIX
 
 PROFILE_TOKENS = (1, 2, 3, 5, 9)   # tokens per row measured; the rest of 1..max is interpolated
 
@@ -87,7 +88,7 @@ def _drafter_level_seconds(drafter, b: int, prompt_len: int, repeats: int) -> fl
     hidden_size = getattr(drafter, "hidden_size", None) or getattr(
         getattr(drafter, "model", None), "hidden_size", None
     )
-    ids = [f"__profile-{i}" for i in range(b)]
+    ids = [f"{SCRATCH_PREFIX}profile-{i}" for i in range(b)]
     prompt = [(7 * k) % 97 + 1 for k in range(prompt_len)]
     params = [SamplingParams() for _ in ids]
     hidden = drafter.uses_target_hidden

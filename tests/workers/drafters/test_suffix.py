@@ -1,0 +1,144 @@
+"""Suffix index and suffix drafter (no model beside it): frequencies, matching, trees, memory bound."""
+
+import random
+
+import pytest
+
+from workers.core.sampling import SamplingParams
+from workers.drafters.base import SCRATCH_PREFIX
+from workers.drafters.registry import build_drafter
+from workers.drafters.suffix import SuffixDrafter
+from workers.drafters.suffix_index import SuffixIndex
+from workers.drafters.suffix_index import _Node as Node
+
+GREEDY = SamplingParams()
+
+
+def brute_count(seqs: list[list[int]], pattern: list[int]) -> int:
+    return sum(1 for s in seqs for i in range(len(s) - len(pattern) + 1) if s[i:i + len(pattern)] == pattern)
+
+
+def walk(index: SuffixIndex, pattern: list[int]) -> Node | None:
+    node = index.root
+    for tok in pattern:
+        node = node.child(tok)
+        if node is None:
+            return None
+    return node
+
+
+def test_counts_are_substring_occurrences_and_remove_is_exact() -> None:
+    rng = random.Random(0)
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(5, 30))] for _ in range(6)]
+    index = SuffixIndex(max_depth=5)
+    for s in seqs:
+        index.add(s)
+    for _ in range(200):
+        s = rng.choice(seqs)
+        i = rng.randrange(len(s))
+        pattern = s[i:i + rng.randrange(1, 6)]
+        assert walk(index, pattern).count == brute_count(seqs, pattern)
+    empty = SuffixIndex(max_depth=5)
+    for s in seqs[1:]:
+        empty.add(s)
+    index.remove(seqs[0])
+    assert index.num_nodes == empty.num_nodes
+    for s in seqs[1:]:
+        index.remove(s)
+    assert index.num_nodes == 0 and index.root.kids is None
+
+
+def test_drafts_the_most_frequent_continuation() -> None:
+    index = SuffixIndex(max_depth=8)
+    for tail in ([7, 8, 9], [7, 8, 9], [7, 5, 5], [6, 1, 1]):
+        index.add([1, 2, 3, *tail])
+    draft = index.draft([4, 2, 3], depth=3, min_prob=0.0)
+    assert draft.tokens == [7, 8, 9] and draft.parents == [0, 1, 2] and draft.match == 2
+    # path frequencies: P(7) = 3/4, P(7 8) = 3/4 * 2/3, P(7 8 9) = P(7 8) * 1
+    assert draft.score == pytest.approx(0.75 + 0.5 + 0.5)
+    # min_prob cuts the tail when the path's frequency drops below it
+    assert index.draft([4, 2, 3], depth=3, min_prob=0.6).tokens == [7]
+
+
+def test_longest_match_wins() -> None:
+    index = SuffixIndex(max_depth=8)
+    index.add([9, 1, 2, 5, 5])
+    index.add([1, 2, 6, 6])
+    index.add([1, 2, 6, 6])
+    assert index.draft([9, 1, 2], depth=2, min_prob=0.0).tokens == [5, 5]
+    assert index.draft([8, 1, 2], depth=2, min_prob=0.0).tokens == [6, 6]
+
+
+def test_tree_branches_where_continuations_compete() -> None:
+    index = SuffixIndex(max_depth=8)
+    for tail in ([7, 8], [7, 8], [5, 4], [5, 4], [3, 3]):
+        index.add([1, 2, *tail])
+    draft = index.draft([1, 2], depth=2, width=2, min_prob=0.0)
+    # best first: both 0.4 branches, then their continuations; the 0.2 branch is past width 2
+    assert draft.tokens == [5, 7, 4, 8] and draft.parents == [0, 0, 1, 2]
+    assert draft.score == pytest.approx(1.6)
+
+
+def test_memory_bound_holds_with_lru_eviction() -> None:
+    rng = random.Random(1)
+    drafter = SuffixDrafter(max_depth=8, max_nodes=2000)
+    sizes = []
+    for i in range(60):
+        drafter.add_request(f"r{i}", [rng.randrange(50) for _ in range(40)])
+        drafter.commit(f"r{i}", 0, [rng.randrange(50) for _ in range(20)])
+        drafter.remove_request(f"r{i}")
+        sizes.append(drafter.global_index.num_nodes)
+    assert max(sizes) <= 2000
+    assert 0 < drafter.stats()["indexed_requests"] < 60
+    # the oldest went first: the index equals the sum of the ones it kept
+    rebuilt = SuffixIndex(8)
+    for tokens in drafter.indexed.values():
+        rebuilt.add(tokens)
+    assert rebuilt.num_nodes == drafter.global_index.num_nodes
+
+
+def test_cross_request_matching_drafts_from_a_finished_request() -> None:
+    drafter = build_drafter("suffix", max_depth=16)
+    first = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    drafter.add_request("a", [1, 2, 3])
+    drafter.commit("a", 0, first)
+    drafter.remove_request("a")
+    drafter.add_request("b", [4, 5, *first[:3]])
+    out = drafter.propose(["b"], [4], [GREEDY])
+    assert out.tokens == [first[3:7]] and out.probs is None
+    assert drafter.stats()["sources"]["global"]["steps"] == 1
+    drafter.commit("b", 4, first[3:8])
+    assert drafter.stats()["sources"]["global"]["accepted"] == 4
+
+
+def test_own_context_matches_and_scratch_requests_are_not_learned() -> None:
+    drafter = SuffixDrafter()
+    drafter.add_request("r", [1, 2, 3, 4, 9, 1, 2, 3])
+    assert drafter.propose(["r"], [2], [GREEDY]).tokens == [[4, 9]]
+    assert drafter.stats()["sources"]["local"]["steps"] == 1
+    drafter.add_request(f"{SCRATCH_PREFIX}x", [5, 6, 7, 8])
+    drafter.remove_request(f"{SCRATCH_PREFIX}x")
+    assert drafter.stats()["indexed_requests"] == 0
+
+
+def test_no_match_no_draft_and_gamma_zero() -> None:
+    drafter = SuffixDrafter()
+    drafter.add_request("r", [1, 2, 3])
+    assert drafter.propose(["r"], [3], [GREEDY]).tokens == [[]]
+    drafter.add_request("s", [1, 2, 1, 2])
+    assert drafter.propose(["s"], [0], [GREEDY]).tokens == [[]]
+    tree = drafter.propose_tree(["s"], [3], [2], [GREEDY])
+    assert tree.tokens == [[1, 2]] and tree.parents == [[0, 1]]
+
+
+def test_deterministic() -> None:
+    def run():
+        rng = random.Random(5)
+        drafter = SuffixDrafter(max_depth=10)
+        for i in range(5):
+            drafter.add_request(f"r{i}", [rng.randrange(6) for _ in range(30)])
+            drafter.remove_request(f"r{i}")
+        drafter.add_request("q", [rng.randrange(6) for _ in range(10)])
+        return drafter.propose_tree(["q"], [4], [3], [GREEDY]).tokens
+
+    assert run() == run()

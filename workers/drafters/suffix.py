@@ -1,0 +1,250 @@
+"""Suffix drafter (SuffixDecoding, Oliaro et al.; as in Snowflake's Arctic Inference), combined with the
+model drafter.
+
+Two kinds of suffix index (workers/drafters/suffix_index.py):
+- a global one over the prompts and outputs this drafter has served, built from traffic: a request is
+  indexed when it finishes (remove_request), so the next request that repeats it (an edited prompt, a
+  conversation quoting an earlier turn) drafts from it. Memory is bounded by `max_nodes` trie nodes:
+  past the cap the least recently indexed requests are removed (exactly: their counts are subtracted).
+- one per running request over its own prompt and output, growing at every commit.
+
+Each step, per request: both indexes draft the most frequent continuation of their longest match (a chain,
+or a tree of the most frequent branches for propose_tree), and the one with the higher score (expected
+accepted tokens from observed frequencies) is the suffix candidate. With a model drafter beside it, the
+candidate with more expected tokens per unit of cost drafts: the suffix step costs one target forward
+(lookups are free next to it), a model step also `model_cost` of a forward per drafted level, and the
+model's expected accepted length comes from this request's own record of model-drafted steps. Both
+drafters see every commit (as in hybrid.py), so either can draft the next step.
+
+Suffix drafts are deterministic: q is one-hot on the drafted token (as for the n-gram drafter), so
+verification stays exact for greedy and sampled requests. Request ids starting with SCRATCH_PREFIX
+(the start-up profile's) are never indexed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.drafters.base import SCRATCH_PREFIX, Drafter, DraftProposal, DraftTree, check_batch
+from workers.drafters.registry import register_drafter
+from workers.drafters.suffix_index import SuffixDraft, SuffixIndex
+
+SOURCES = ("local", "global", "model")
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    index: SuffixIndex
+    active: list = field(default_factory=list)   # the local index's walk state (SuffixIndex.extend)
+    source: str | None = None                     # who drafted the last step
+    last_drafted: int = 0                         # and how many tokens
+    model_alpha: float = 0.6                      # per-token acceptance of model-drafted steps (EMA)
+
+
+@register_drafter("suffix")
+class SuffixDrafter(Drafter):
+    def __init__(
+        self,
+        model: Drafter | None = None,
+        max_depth: int = 24,
+        max_match: int = 12,
+        min_match: int = 2,
+        min_prob: float = 0.1,
+        max_nodes: int = 1_000_000,
+        model_cost: float = 0.1,
+        model_prior: float = 0.6,
+    ) -> None:
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        self.model = model
+        self.max_depth, self.max_match, self.min_match = max_depth, max_match, min_match
+        self.min_prob, self.max_nodes = min_prob, max_nodes
+        self.model_cost, self.model_prior = model_cost, model_prior
+        self.uses_target_hidden = bool(model is not None and model.uses_target_hidden)
+        self.global_index = SuffixIndex(max_depth)
+        self.indexed: OrderedDict[int, list[int]] = OrderedDict()   # LRU of indexed requests
+        self._next_key = 0
+        self.requests: dict[str, _Request] = {}
+        self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
+        self.version = self._version()
+
+    def _version(self) -> str:
+        suffix = f"suffix-{self.max_depth}"
+        return suffix if self.model is None else f"{self.model.version}+{suffix}"
+
+    @classmethod
+    def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
+        model = None
+        if cfg.suffix_with_model:
+            from workers.drafters.model import ModelDrafter  # heavy: only when a model drafts beside it
+
+            model = ModelDrafter.from_config(
+                cfg, target_model_dir=target_model_dir, cache_dir=cache_dir, seed=seed
+            )
+        return cls(
+            model, max_depth=cfg.suffix_max_depth, max_match=cfg.suffix_max_match,
+            min_match=cfg.suffix_min_match, min_prob=cfg.suffix_min_prob, max_nodes=cfg.suffix_max_nodes,
+            model_cost=cfg.suffix_model_cost,
+        )
+
+    @property
+    def hidden_size(self) -> int | None:
+        return getattr(self.model, "hidden_size", None)
+
+    def max_slots(self) -> int:
+        return self.model.max_slots() if self.model is not None else super().max_slots()
+
+    def stats(self) -> dict:
+        """Steps, drafted and accepted tokens by who drafted them (local, global = cross-request, model),
+        and the global index's size."""
+        return {"sources": {s: dict(c) for s, c in self.counts.items()},
+                "global_nodes": self.global_index.num_nodes, "indexed_requests": len(self.indexed)}
+
+    # ---- request life cycle ---------------------------------------------------------------------
+    def add_request(self, request_id, prompt_tokens, seed=None, hidden=None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already tracked")
+        if self.model is not None:
+            extra = {"hidden": hidden} if self.uses_target_hidden else {}
+            self.model.add_request(request_id, prompt_tokens, seed=seed, **extra)
+        tokens = [int(t) for t in prompt_tokens]
+        index = SuffixIndex(self.max_depth)
+        active = index.extend(tokens)
+        self.requests[request_id] = _Request(tokens, index, active, model_alpha=self.model_prior)
+
+    def commit(self, request_id, num_accepted, new_tokens, hidden=None) -> None:
+        req = self.requests[request_id]
+        if not 0 <= num_accepted <= len(new_tokens):
+            raise ValueError(f"num_accepted {num_accepted} exceeds the {len(new_tokens)} new tokens")
+        if self.model is not None:
+            extra = {"hidden": hidden} if self.uses_target_hidden else {}
+            self.model.commit(request_id, num_accepted, new_tokens, **extra)
+        if req.source is not None:
+            self.counts[req.source]["accepted"] += num_accepted
+            if req.source == "model":
+                drafted = req.last_drafted
+                trials = num_accepted + (1 if num_accepted < drafted else 0)
+                if trials:
+                    req.model_alpha = 0.7 * req.model_alpha + 0.3 * num_accepted / trials
+            req.source = None
+        new = [int(t) for t in new_tokens]
+        req.tokens += new
+        req.active = req.index.extend(new, req.active)
+
+    def remove_request(self, request_id: str) -> None:
+        if self.model is not None:
+            self.model.remove_request(request_id)
+        req = self.requests.pop(request_id, None)
+        if req is None or request_id.startswith(SCRATCH_PREFIX) or not req.tokens:
+            return
+        self.global_index.add(req.tokens)
+        self.indexed[self._next_key] = req.tokens
+        self._next_key += 1
+        while self.global_index.num_nodes > self.max_nodes and self.indexed:
+            _, old = self.indexed.popitem(last=False)
+            self.global_index.remove(old)
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def _suffix(self, request_id: str, depth: int, width: int) -> tuple[SuffixDraft, str]:
+        """The better of the local and the global index's drafts (ties: local)."""
+        ctx = self.requests[request_id].tokens
+        kw = dict(width=width, max_match=self.max_match, min_match=self.min_match, min_prob=self.min_prob)
+        local = self.requests[request_id].index.draft(ctx, depth, **kw)
+        glob = self.global_index.draft(ctx, depth, **kw)
+        return (glob, "global") if glob.score > local.score else (local, "local")
+
+    def _prefers_suffix(self, draft: SuffixDraft, depth: int, req: _Request) -> bool:
+        """Expected tokens per unit of cost: suffix (1 + score) / 1 vs model (1 + Σ α^k) / (1 + c·depth)."""
+        if not draft.tokens:
+            return False
+        if self.model is None:
+            return True
+        alpha = req.model_alpha
+        model_tokens = 1.0 + sum(alpha ** k for k in range(1, depth + 1))
+        return 1.0 + draft.score >= model_tokens / (1.0 + self.model_cost * depth)
+
+    def _choose(self, request_ids, depths, width: int | list[int]):
+        widths = width if isinstance(width, list) else [width] * len(request_ids)
+        picks = []
+        for rid, depth, w in zip(request_ids, depths, widths, strict=True):
+            draft, source = self._suffix(rid, depth, w) if depth > 0 else (SuffixDraft(), "local")
+            picks.append((draft, source if self._prefers_suffix(draft, depth, self.requests[rid]) else None))
+        return picks
+
+    def _record(self, request_id: str, source: str | None, drafted: int) -> None:
+        req = self.requests[request_id]
+        req.source, req.last_drafted = (source, drafted) if drafted else (None, 0)
+        if drafted:
+            self.counts[source]["steps"] += 1
+            self.counts[source]["drafted"] += drafted
+
+    def propose(self, request_ids, gammas, params, policy=None, states=None) -> DraftProposal:
+        check_batch(request_ids, gammas, params)
+        picks = self._choose(request_ids, gammas, 1)
+        rows = [i for i, (_, src) in enumerate(picks) if src is None and gammas[i] > 0 and self.model]
+        tokens = [list(d.tokens) if src else [] for d, src in picks]
+        model_probs = None
+        if rows:
+            out = self.model.propose(_pick(request_ids, rows), _pick(gammas, rows), _pick(params, rows),
+                                     policy=policy, states=_pick(states, rows))
+            for j, i in enumerate(rows):
+                tokens[i] = list(out.tokens[j])
+            model_probs = out.probs
+        for i, (rid, (_, src)) in enumerate(zip(request_ids, picks, strict=True)):
+            if src and policy is not None and states is not None:
+                # Deterministic drafts carry no q: policies only enforce their plan here.
+                for drafted in range(1, len(tokens[i])):
+                    if not policy.keep_drafting(states[i], drafted, None):
+                        tokens[i] = tokens[i][:drafted]
+                        break
+            self._record(rid, src or ("model" if i in rows else None), len(tokens[i]))
+        probs = self._merge_probs(tokens, rows, model_probs, params)
+        return DraftProposal(tokens, probs, self.version)
+
+    def propose_tree(self, request_ids, depths, widths, params, policy=None, states=None) -> DraftTree:
+        check_batch(request_ids, depths, params)
+        picks = self._choose(request_ids, depths, list(widths))
+        rows = [i for i, (_, src) in enumerate(picks) if src is None and depths[i] > 0 and self.model]
+        tokens = [list(d.tokens) if src else [] for d, src in picks]
+        parents = [list(d.parents) if src else [] for d, src in picks]
+        model_probs = None
+        if rows:
+            out = self.model.propose_tree(_pick(request_ids, rows), _pick(depths, rows), _pick(widths, rows),
+                                          _pick(params, rows), policy=policy, states=_pick(states, rows))
+            for j, i in enumerate(rows):
+                tokens[i], parents[i] = list(out.tokens[j]), list(out.parents[j])
+            model_probs = out.probs
+        for i, (rid, (_, src)) in enumerate(zip(request_ids, picks, strict=True)):
+            self._record(rid, src or ("model" if i in rows else None), len(tokens[i]))
+        return DraftTree(tokens, parents, self._merge_probs(tokens, rows, model_probs, params), self.version)
+
+    def _merge_probs(self, tokens, model_rows, model_probs, params) -> torch.Tensor | None:
+        """q [batch, max nodes, vocab]: the model's rows where it drafted, one-hot elsewhere; None when every
+        request is greedy or nothing carries q (all drafts deterministic)."""
+        if model_probs is None or all(p.is_greedy for p in params) or not any(tokens):
+            return None
+        out = torch.zeros(len(tokens), max(len(t) for t in tokens), model_probs.shape[-1])
+        where = {i: j for j, i in enumerate(model_rows)}
+        for i, toks in enumerate(tokens):
+            if not toks:
+                continue
+            if i in where and not params[i].is_greedy:
+                out[i, : len(toks)] = model_probs[where[i], : len(toks)]
+            else:
+                out[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
+        return out
+
+    def load(self, path) -> str:
+        if self.model is None:
+            raise ValueError("this suffix drafter has no model drafter to load weights into")
+        self.model.load(path)
+        self.version = self._version()
+        return self.version
+
+
+def _pick(xs, rows: list[int]):
+    return None if xs is None else [xs[i] for i in rows]

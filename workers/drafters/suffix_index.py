@@ -1,0 +1,185 @@
+"""Suffix index for SuffixDecoding (Oliaro et al.; Snowflake Arctic Inference): a trie of every substring of
+up to `max_depth` tokens of the sequences it holds, each node counting its occurrences.
+
+Adding a sequence walks it once, keeping the nodes of the substrings that end at the current token (at
+most max_depth of them) and stepping each to its child for the next token: O(len × max_depth) counter
+updates. Removing a sequence makes the same walk with -1 and drops nodes whose count reaches 0, so the
+index of many sequences equals the sum of their indexes (what makes eviction exact).
+
+Drafting: find the longest suffix of the context (up to max_match tokens) that is a path in the trie with
+at least one continuation, then grow the continuation best-first by its empirical probability: each child
+is scored count(child) / Σ count(siblings), a path by the product along it. A chain follows the most
+frequent child; a tree keeps up to `width` children per node and `max_nodes` nodes in all. The score of a
+draft is Σ over its nodes of their path probability: the expected number of accepted tokens if the index's
+frequencies were the target's probabilities, which is how SuffixDecoding ranks candidates.
+
+Plain python. Nodes use __slots__ and hold a single child inline (most trie nodes have one), so a node
+costs about 60 bytes; README gives measured figures.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+
+class _Node:
+    __slots__ = ("count", "kids")
+
+    def __init__(self) -> None:
+        self.count = 0
+        # None, (token, node) for a single child, or {token: node}
+        self.kids: tuple[int, _Node] | dict[int, _Node] | None = None
+
+    def child(self, token: int) -> _Node | None:
+        kids = self.kids
+        if kids is None:
+            return None
+        if isinstance(kids, tuple):
+            return kids[1] if kids[0] == token else None
+        return kids.get(token)
+
+    def add_child(self, token: int) -> _Node:
+        node = _Node()
+        if self.kids is None:
+            self.kids = (token, node)
+        else:
+            if isinstance(self.kids, tuple):
+                self.kids = {self.kids[0]: self.kids[1]}
+            self.kids[token] = node
+        return node
+
+    def drop_child(self, token: int) -> None:
+        if isinstance(self.kids, tuple):
+            self.kids = None
+        elif self.kids is not None:
+            self.kids.pop(token, None)
+            if len(self.kids) == 1:
+                self.kids = next(iter(self.kids.items()))
+
+    def children(self) -> list[tuple[int, _Node]]:
+        """(token, node) pairs, most frequent first (ties: smaller token id first, so drafts are stable)."""
+        kids = self.kids
+        if kids is None:
+            return []
+        items = [kids] if isinstance(kids, tuple) else list(kids.items())
+        return sorted(items, key=lambda kv: (-kv[1].count, kv[0]))
+
+
+@dataclass
+class SuffixDraft:
+    """Draft tokens in topological order; parents[n] = 0 for the root (the context's last token), k for draft
+    k - 1 (the DraftTree numbering); score = Σ path probabilities; match = tokens of context matched."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    score: float = 0.0
+    match: int = 0
+
+
+class SuffixIndex:
+    def __init__(self, max_depth: int = 24) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.num_nodes = 0
+
+    # ---- building -------------------------------------------------------------------------------
+    def add(self, tokens: list[int]) -> None:
+        self._walk(tokens, +1, [])
+
+    def remove(self, tokens: list[int]) -> None:
+        """Undo add(tokens) for the same tokens (counts and nodes come back to what they were)."""
+        self._walk(tokens, -1, [])
+
+    def extend(self, tokens: list[int], active: list | None = None) -> list:
+        """Append tokens to a sequence being indexed as it grows; pass back what the previous call returned
+        (None to start a sequence). extend(a) then extend(b, state) indexes exactly what add(a + b) does."""
+        return self._walk(tokens, +1, active or [])
+
+    def _walk(self, tokens: list[int], sign: int, active: list[_Node]) -> list[_Node]:
+        # active: nodes of the substrings ending at the previous token, shortest first
+        for token in tokens:
+            active = [self.root, *active[: self.max_depth - 1]]
+            stepped = []
+            for parent in active:
+                node = self._bump(parent, token, sign)
+                if node is not None:
+                    stepped.append(node)
+            active = stepped
+        return active
+
+    def _bump(self, parent: _Node, token: int, sign: int) -> _Node | None:
+        node = parent.child(token)
+        if node is None:
+            if sign < 0:
+                return None  # already gone with an ancestor: nothing of this path is left to count
+            node = parent.add_child(token)
+            self.num_nodes += 1
+        node.count += sign
+        if node.count <= 0:
+            parent.drop_child(token)
+            self.num_nodes -= 1
+        return node
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def match(self, context: list[int], max_match: int, min_match: int = 1) -> tuple[_Node | None, int]:
+        """Node of the longest suffix of context (min_match..max_match tokens) that has a continuation."""
+        longest = min(max_match, len(context), self.max_depth - 1)
+        found: list[_Node] = []
+        for k in range(1, longest + 1):
+            node = self.root
+            for token in context[len(context) - k:]:
+                node = node.child(token)
+                if node is None:
+                    break
+            if node is None:
+                break  # a longer suffix contains this one, so it cannot be in the trie either
+            found.append(node)
+        for k in range(len(found), min_match - 1, -1):
+            if found[k - 1].kids is not None:
+                return found[k - 1], k
+        return None, 0
+
+    def draft(
+        self,
+        context: list[int],
+        depth: int,
+        width: int = 1,
+        max_nodes: int | None = None,
+        max_match: int = 12,
+        min_match: int = 1,
+        min_prob: float = 0.1,
+    ) -> SuffixDraft:
+        """The most probable continuation tree of the longest match: ≤ depth levels, ≤ width children per
+        node, ≤ max_nodes nodes (default depth × width), each node's path probability ≥ min_prob."""
+        node, matched = self.match(context, max_match, min_match)
+        out = SuffixDraft(match=matched)
+        if node is None or depth <= 0:
+            return out
+        budget = depth * width if max_nodes is None else max_nodes
+        # The continuation must fit under max_depth with the match above it.
+        depth = min(depth, self.max_depth - matched)
+        order = 0  # tie-break: earlier pushes first, so drafts are deterministic
+        heap: list = []
+        for tok, child, p in self._ranked(node, width, 1.0):
+            heapq.heappush(heap, (-p, order := order + 1, tok, child, 0, 1))
+        while heap and len(out.tokens) < budget:
+            neg_p, _, tok, child, parent, level = heapq.heappop(heap)
+            if -neg_p < min_prob:
+                break
+            out.tokens.append(tok)
+            out.parents.append(parent)
+            out.score += -neg_p
+            if level < depth:
+                here = len(out.tokens)
+                for t, c, p in self._ranked(child, width, -neg_p):
+                    heapq.heappush(heap, (-p, order := order + 1, t, c, here, level + 1))
+        return out
+
+    @staticmethod
+    def _ranked(node: _Node, width: int, path_p: float) -> list[tuple[int, _Node, float]]:
+        kids = node.children()
+        total = sum(c.count for _, c in kids)
+        return [(t, c, path_p * c.count / total) for t, c in kids[:width]] if total else []
