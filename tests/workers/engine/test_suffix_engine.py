@@ -71,7 +71,7 @@ def exact_workers(tiny_target_dir, tiny_drafter_dir):
     torch.set_num_threads(threads)
 
 
-def _sampled_pvalue(exact_workers, tree_width: int, samples: int) -> float:
+def _sampled_pvalue(exact_workers, tree_width: int, samples: int, policy: str = "fixed") -> float:
     cfg, target = exact_workers
     cfg.drafter.suffix_with_model = False
     drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=22)
@@ -80,7 +80,7 @@ def _sampled_pvalue(exact_workers, tree_width: int, samples: int) -> float:
         index.add_request(f"seed{k}", PROMPT + tail)
         index.remove_request(f"seed{k}")
     sampling = SamplingParams(temperature=3.0, top_k=5)
-    spec = SpecParams(gamma=3, tree_width=tree_width)
+    spec = SpecParams(gamma=3, tree_width=tree_width, policy=policy)
     reqs = [NewRequest(f"x{i}", PROMPT, sampling, DEPTH + 1, spec) for i in range(samples)]
     seqs = SpecEngine(target, drafter).generate(reqs, ignore_eos=True)
     assert sum(s.stats.drafted for s in seqs) > samples // 2, "the suffix drafter must have drafted"
@@ -88,11 +88,11 @@ def _sampled_pvalue(exact_workers, tree_width: int, samples: int) -> float:
     return chi_square_pvalue(counts, exact_joint(target, sampling))
 
 
-@pytest.mark.parametrize("tree_width", [1, 2])
-def test_sampled_output_has_the_target_distribution(exact_workers, tree_width):
+@pytest.mark.parametrize("tree_width,policy", [(1, "fixed"), (2, "fixed"), (2, "goodput")])
+def test_sampled_output_has_the_target_distribution(exact_workers, tree_width, policy):
     """Seed the global index with several continuations of the prompt, then sample: drafts come from the
     index (and from the outputs of earlier samples, indexed as they finish), one-hot q, exact output."""
-    pvalue = _sampled_pvalue(exact_workers, tree_width, 1000)
+    pvalue = _sampled_pvalue(exact_workers, tree_width, 1000, policy)
     assert pvalue > 1e-3, f"p-value {pvalue:.2e}: the engine's tokens are not target-distributed"
 
 
