@@ -17,6 +17,9 @@ follow the glossary: drafted, accepted, recovered, bonus, step, gamma.
     specd_drafter_version_info           gauge = 1 for the version each replica last used
     specd_worker_busy_fraction           gauge by replica and worker (target, drafter)
     specd_pipeline_overlap_fraction      gauge by replica
+    specd_goodput_predicted_tokens_per_second, specd_goodput_measured_tokens_per_second
+                                         gauges by replica: the goodput controller's estimate of its plans
+                                         vs what the steps delivered (EMAs; 0 when no request uses it)
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ class SpecdMetrics(SchedulerObserver):
         self.overlap = Gauge("specd_pipeline_overlap_fraction",
                              "Least share of active time with drafting and verifying at once", ["replica"],
                              registry=r)
+        self.goodput_predicted = Gauge("specd_goodput_predicted_tokens_per_second",
+                                       "Tokens/s the goodput controller expected of its γ plans (EMA)",
+                                       ["replica"], registry=r)
+        self.goodput_measured = Gauge("specd_goodput_measured_tokens_per_second",
+                                      "Tokens/s the drafted steps delivered (EMA)", ["replica"], registry=r)
         self._versions: dict[int, str] = {}
         self._sum_drafted = self._sum_accepted = self._sum_emitted = self._steps = 0
 
@@ -119,6 +127,9 @@ class SpecdMetrics(SchedulerObserver):
             self.busy.labels(replica, "target").set(s["target_busy_fraction"])
             self.busy.labels(replica, "drafter").set(s["drafter_busy_fraction"])
             self.overlap.labels(replica).set(s["overlap_fraction"])
+            if "goodput_predicted" in s:
+                self.goodput_predicted.labels(replica).set(s["goodput_predicted"])
+                self.goodput_measured.labels(replica).set(s["goodput_measured"])
 
     def serve_http(self, port: int, host: str = "0.0.0.0"):
         """Expose /metrics; returns the HTTP server (call .shutdown() to stop) and the port it bound."""

@@ -38,6 +38,9 @@ from cluster.validation import Bounds, InvalidRequest, TextCodec, validate_reque
 from proto.specd.v1 import serving_pb2, serving_pb2_grpc
 from workers.engine.types import NewRequest
 
+# worker_stats() also carries metrics-only keys (the goodput EMAs) that ServerInfo does not report
+_WORKER_FIELDS = frozenset(serving_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Specd"].full_name   # "specd.v1.Specd"
@@ -237,7 +240,8 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
             tokens_generated=s.tokens_generated,
             drafted=s.drafted,
             accepted=s.accepted,
-            workers=[serving_pb2.WorkerStats(**w) for w in workers],
+            workers=[serving_pb2.WorkerStats(**{k: v for k, v in w.items() if k in _WORKER_FIELDS})
+                     for w in workers],
             gamma_policy_default=str(bounds.policy_default),
             tree_width_default=bounds.tree_width_default,
             config=b.config,

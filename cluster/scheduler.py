@@ -135,6 +135,9 @@ class _Group:
     members: list[_Request] = field(default_factory=list)
     pending: list[_Request] = field(default_factory=list)   # admitted, started at the next step
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # (tokens per row, seconds, emitted tokens) of the group's previous verify: the drafter's goodput
+    # controller follows measured step costs with it
+    last_verify: tuple | None = None
 
     def size(self) -> int:
         return len(self.members) + len(self.pending)
@@ -201,6 +204,11 @@ class Scheduler:
         for rep in self.replicas:
             rep.busy_base = await self._busy_seconds(rep)
             rep.hidden = bool(await rep.drafter.call("uses_target_hidden"))
+            # The goodput policy's cost model starts from a timed sweep of verify forwards on the target.
+            request = await rep.drafter.call("cost_profile_request")
+            if request is not None:
+                table = await rep.target.call("profile_verify", request["batch_sizes"], request["max_tokens"])
+                await rep.drafter.call("set_cost_profile", table)
             self._tasks += [asyncio.create_task(self._run_group(rep, g)) for g in rep.groups]
 
     async def reset_stats(self) -> None:
@@ -342,11 +350,15 @@ class Scheduler:
         drafting = [r for r in live if r.new.spec.enabled]
         proposed = []
         if drafting:
-            proposed = await rep.drafter.call("propose", [self._draft_item(r) for r in drafting])
+            items = [self._draft_item(r) for r in drafting]
+            proposed = await rep.drafter.call("propose", items, group.last_verify)
         plain = [Draft(r.id, []) for r in live if not r.new.spec.enabled]
         drafts = _in_order([*proposed, *plain], ids, "propose")
         verify_args = (drafts, True) if rep.hidden else (drafts,)
+        t0 = time.perf_counter()
         results = _in_order(await rep.target.call("verify", *verify_args), ids, "verify")
+        rows = [1 + len(d.tokens) for d in drafts]
+        group.last_verify = (rows, time.perf_counter() - t0, sum(len(r.new_tokens) for r in results))
         rep.steps += 1
         for req, draft, result in zip(live, drafts, results, strict=True):
             self._apply_step(rep, req, draft, result)
@@ -446,6 +458,7 @@ class Scheduler:
         out = []
         for rep in self.replicas:
             t, d = await self._busy_seconds(rep)
+            goodput = await rep.drafter.call("goodput_stats")
             t -= rep.busy_base[0]
             d -= rep.busy_base[1]
             active = rep.active_total(now)
@@ -462,6 +475,8 @@ class Scheduler:
                 "running": rep.size(),
                 "free_slots": rep.capacity - rep.size(),
                 "steps": rep.steps,
+                "goodput_predicted": goodput["predicted"],   # tokens/s the γ plans promised (EMA)
+                "goodput_measured": goodput["measured"],     # tokens/s the steps delivered (EMA)
             })
         return out
 

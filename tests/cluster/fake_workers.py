@@ -192,7 +192,7 @@ class FakeDrafter:
             self.running[r.request_id] = [*r.prompt_token_ids, *first]
             self.last_draft[r.request_id] = []
 
-    def propose(self, items: list[DraftItem]) -> list[Draft]:
+    def propose(self, items: list[DraftItem], last_verify=None) -> list[Draft]:
         self.tracker.enter("drafter", "propose", [i.request_id for i in items])
         try:
             t0 = time.perf_counter()
@@ -230,6 +230,12 @@ class FakeDrafter:
 
     def uses_target_hidden(self) -> bool:
         return self.hidden
+
+    def cost_profile_request(self) -> None:
+        return None  # no goodput policy here: nothing to profile
+
+    def goodput_stats(self) -> dict:
+        return {"predicted": 0.0, "measured": 0.0}
 
     def version(self) -> str:
         return self.version_id
