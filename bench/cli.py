@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 
-from bench import engine, serve
+from bench import engine, osd, serve
 
 # Each module exposes add_cli(bench_subparsers), which adds its own `specd bench <name>` parser.
-BENCHMARKS = (engine, serve)
+BENCHMARKS = (engine, serve, osd)
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,339 @@
+"""`specd bench osd`: does the drafter learn from the traffic it serves (online distillation)?
+
+Through the router on the real models, one run: a stream of GSM8K train prompts, then a shift to
+HumanEval train prompts, served once with the online trainer on and once with it off (the same
+stream, fresh servers, each with its own managed Redis and version store), starting from the quick
+drafter (`--from-offline`: the bootstrapped one). Clients stream greedy completions concurrently.
+
+It prints and plots (PNG) each request's acceptance α = accepted / drafted against its index, with
+the swap events (a request drafted by a version not seen before) and the domain shift marked. Held-out
+acceptance per domain is measured on eval prompts the stream never sends, in this process with the
+in-process engine (so evaluation never enters the replay stream): `before` with the starting drafter,
+`after` with the version serving at the end of the trainer-on run. `--json PATH` writes those, the
+failed request count and the throughput with the trainer on and off.
+
+    specd bench osd --quick                           # a smoke run (a few requests, short outputs)
+    specd bench osd --requests-per-domain 400 --json bench/results/osd.json --plot bench/results/osd.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.serve import ServerProcess
+from cluster.client import AsyncSpecdClient
+
+DOMAINS = ("gsm8k", "humaneval")
+
+
+def stream_prompts(domains: tuple[str, ...], per_domain: int, split: str) -> list[tuple[str, Any]]:
+    from drafter_trainer.data import load_split
+
+    out = []
+    for d in domains:
+        rows = load_split(d, split)
+        out += [(d, rows[i % len(rows)]) for i in range(per_domain)]
+    return out
+
+
+async def run_stream(
+    address: str, prompts: list[tuple[str, Any]], clients: int, max_new_tokens: int, desc: str
+) -> dict[str, Any]:
+    """Each request's domain, α, tokens and drafter versions, in submission order; failures counted."""
+    from tqdm import tqdm
+
+    from drafter_trainer.data import chat_messages
+
+    client = AsyncSpecdClient(address, timeout=3600)
+    queue = list(enumerate(prompts))
+    rows: list[dict | None] = [None] * len(prompts)
+    failed = 0
+    bar = tqdm(total=len(prompts), desc=desc, unit="req")
+
+    async def one_client() -> None:
+        nonlocal failed
+        while queue:
+            index, (domain, prompt) = queue.pop(0)
+            usage, tokens = {}, 0
+            try:
+                async for chunk in client.stream(
+                    messages=chat_messages(prompt),
+                    max_new_tokens=max_new_tokens,
+                    ignore_eos=True,
+                    temperature=0.0,
+                ):
+                    tokens += len(chunk.token_ids)
+                    usage = chunk.usage or usage
+            except Exception as exc:  # a failed request is a result of the benchmark, not its end
+                failed += 1
+                rows[index] = {"index": index, "domain": domain, "error": f"{type(exc).__name__}: {exc}"}
+                bar.update(1)
+                continue
+            drafted, accepted = usage.get("drafted", 0), usage.get("accepted", 0)
+            rows[index] = {
+                "index": index,
+                "domain": domain,
+                "tokens": tokens,
+                "drafted": drafted,
+                "accepted": accepted,
+                "alpha": accepted / drafted if drafted else 0.0,
+                "versions": list(usage.get("drafter_versions", [])),
+            }
+            bar.update(1)
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*[one_client() for _ in range(clients)])
+    finally:
+        bar.close()
+        await client.close()
+    wall = time.perf_counter() - t0
+    done = [r for r in rows if r and "error" not in r]
+    tokens = sum(r["tokens"] for r in done)
+    return {
+        "requests": rows,
+        "failed_requests": failed,
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "swaps": swap_events(rows),
+    }
+
+
+def swap_events(rows: list[dict | None]) -> list[dict]:
+    """The first request (by index) drafted by each version after the first one."""
+    seen: set[str] = set()
+    events = []
+    for r in rows:
+        for v in (r or {}).get("versions", []):
+            if v not in seen:
+                if seen:
+                    events.append({"index": r["index"], "version": v})
+                seen.add(v)
+    return events
+
+
+def heldout_acceptance(
+    overrides: list[str], store: Path | None, per_domain: int, max_new_tokens: int
+) -> dict[str, dict[str, float]]:
+    """{domain: {"before", "after"}} α on eval prompts, in process: the starting drafter, then the version
+    CURRENT names in `store` (None: no store, `after` left out)."""
+    from configs import load_config
+    from drafter_trainer.data import encode_chat
+    from workers.core.sampling import SamplingParams
+    from workers.engine.draft_worker import DraftWorker
+    from workers.engine.spec_engine import SpecEngine
+    from workers.engine.target_worker import TargetWorker
+    from workers.engine.types import NewRequest, SpecParams
+    from workers.models.loader import load_tokenizer
+
+    cfg = load_config(overrides)
+    target = TargetWorker(cfg.target, seed=cfg.seed, cache_dir=cfg.cache_dir)
+    drafter = DraftWorker(
+        cfg.drafter, cfg.spec, str(target.model_dir), seed=cfg.seed + 1, cache_dir=cfg.cache_dir
+    )
+    tokenizer = load_tokenizer(target.model_dir)
+    spec = SpecParams(gamma=cfg.spec.gamma, policy="fixed", tree_width=1)
+    prompts = {
+        d: [encode_chat(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in DOMAINS
+    }
+
+    def alpha(tag: str) -> dict[str, float]:
+        out = {}
+        for d, ids in prompts.items():
+            engine = SpecEngine(target, drafter, max_running=4)
+            reqs = [
+                NewRequest(f"{tag}-{d}-{i}", p, SamplingParams(), max_new_tokens, spec)
+                for i, p in enumerate(ids)
+            ]
+            seqs = engine.generate(reqs, ignore_eos=True)
+            drafted = sum(s.stats.drafted for s in seqs)
+            out[d] = sum(s.stats.accepted for s in seqs) / drafted if drafted else 0.0
+        return out
+
+    before = alpha("before")
+    result = {d: {"before": round(before[d], 4)} for d in DOMAINS}
+    if store is not None and (store / "CURRENT").is_file():
+        drafter.watch_versions(str(store), str(target.model_dir), poll_s=3600)
+        drafter._swapper.check()
+        drafter.propose([])  # applies the parked version between "steps"
+        after = alpha("after")
+        for d in DOMAINS:
+            result[d]["after"] = round(after[d], 4)
+        result["after_version"] = drafter.version()
+    return result
+
+
+def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> str:
+    """The drafter both runs start from: the quick one (built when missing) or the bootstrapped one."""
+    from cluster.first_start import quick_drafter_dirs
+    from workers.drafters.model import default_drafter_dir
+
+    if from_offline:
+        path = default_drafter_dir(cache_dir, target_hidden=True)
+        if not (path / "config.json").exists():
+            raise SystemExit(
+                f"--from-offline: no bootstrapped drafter at {path} (run specd bootstrap-drafter)"
+            )
+        return str(path)
+    from cluster.first_start import ensure_serving_drafter
+    from configs import load_config
+
+    cfg = load_config([f"cache_dir={cache_dir}"] if cache_dir else [])
+    hidden = quick_drafter_dirs(cache_dir)[1]
+    if not (hidden / "config.json").exists():
+        cfg.drafter.path = None
+        ensure_serving_drafter(cfg, model_dir)
+    return str(hidden)
+
+
+def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for name, run in runs.items():
+        rows = [r for r in run["requests"] if r and "alpha" in r]
+        xs, ys = [r["index"] for r in rows], [r["alpha"] for r in rows]
+        window = max(1, len(ys) // 25)
+        smooth = [
+            sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
+            for i in range(len(ys))
+        ]
+        line = ax.plot(xs, smooth, label=f"trainer {name} (moving mean of {window})")[0]
+        ax.scatter(xs, ys, s=4, alpha=0.25, color=line.get_color())
+        for ev in run["swaps"]:
+            ax.axvline(ev["index"], color=line.get_color(), alpha=0.4, linestyle=":")
+    ax.axvline(shift, color="black", linestyle="--", label="GSM8K -> HumanEval")
+    ax.set_xlabel("request index")
+    ax.set_ylabel("acceptance rate α (accepted / drafted)")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from configs import load_config
+    from workers.models.loader import ensure_target_model
+
+    if args.quick:
+        args.requests_per_domain, args.heldout = min(args.requests_per_domain, 6), min(args.heldout, 2)
+        args.max_new_tokens = min(args.max_new_tokens, 16)
+    overrides = list(args.overrides)
+    cfg = load_config(overrides)
+    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
+    drafter = args.drafter or start_drafter(args.from_offline, cfg.cache_dir, model_dir)
+    work = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-osd-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = stream_prompts(DOMAINS, args.requests_per_domain, "train")
+    base = [
+        *overrides,
+        f"drafter.path={drafter}",
+        "drafter.kind=model",
+        "server.port=0",
+        "server.metrics_port=0",
+        f"server.max_running={max(args.clients, cfg.server.max_running)}",
+    ]
+    started = time.time()
+    runs: dict[str, dict] = {}
+    for mode in args.modes.split(","):
+        store = work / f"store-{mode}"
+        server = ServerProcess(
+            [*base, f"trainer.enabled={'true' if mode == 'on' else 'false'}", f"trainer.out_dir={store}"],
+            work / f"server-{mode}.log",
+        )
+        try:
+            runs[mode] = asyncio.run(
+                run_stream(server.address, prompts, args.clients, args.max_new_tokens, f"trainer {mode}")
+            )
+        finally:
+            server.stop()
+        runs[mode]["store"] = str(store)
+    on_store = Path(runs["on"]["store"]) if "on" in runs else None
+    heldout = heldout_acceptance(
+        [*overrides, f"drafter.path={drafter}", "drafter.kind=model"],
+        on_store,
+        args.heldout,
+        args.max_new_tokens,
+    )
+    failed = sum(r["failed_requests"] for r in runs.values())
+    tput = {m: round(r["tokens_per_s"], 3) for m, r in runs.items()}
+    print(f"held-out acceptance: {json.dumps(heldout)}")
+    print(
+        f"throughput tok/s: {tput}; failed requests: {failed}; "
+        f"swaps (trainer on): {len(runs.get('on', {}).get('swaps', []))}"
+    )
+    plot = write_plot(
+        Path(args.plot) if args.plot else work / "osd.png",
+        runs,
+        args.requests_per_domain,
+        f"specd bench osd: {args.requests_per_domain} GSM8K then {args.requests_per_domain} HumanEval",
+    )
+    print(f"plot: {plot}")
+    if args.json:
+        out = {d: heldout[d] for d in DOMAINS}
+        doc = {
+            "before": {d: heldout[d]["before"] for d in DOMAINS},
+            "after": {d: heldout[d].get("after") for d in DOMAINS},
+            "failed_requests": failed,
+            "throughput_tokens_per_s": tput,
+            "throughput_ratio_on_off": round(tput["on"] / tput["off"], 4) if tput.get("off") else None,
+            "heldout": out,
+            "after_version": heldout.get("after_version"),
+            "meta": {
+                "requests_per_domain": args.requests_per_domain,
+                "heldout_per_domain": args.heldout,
+                "max_new_tokens": args.max_new_tokens,
+                "clients": args.clients,
+                "start_drafter": drafter,
+                "overrides": overrides,
+                "duration_s": round(time.time() - started, 1),
+                "work_dir": str(work),
+            },
+            "runs": runs,
+        }
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests-per-domain", type=int, default=400, help="stream requests per domain")
+    parser.add_argument("--heldout", type=int, default=24, help="held-out eval prompts per domain")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=2, help="concurrent streaming clients")
+    parser.add_argument("--modes", default="on,off", help="trainer modes to run, in order (default on,off)")
+    parser.add_argument("--from-offline", action="store_true", help="start from the bootstrapped drafter")
+    parser.add_argument("--drafter", default=None, metavar="DIR", help="start from this drafter directory")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 6 requests per domain, 16 tokens")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="PNG path (default: in the log dir)")
+    parser.add_argument(
+        "--log-dir", default=None, help="server logs and version stores (default: a temp dir)"
+    )
+    parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. trainer.lr=3e-4")
+
+
+def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "osd",
+        help="online distillation: acceptance over a shifting stream",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_bench)

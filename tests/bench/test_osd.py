@@ -1,0 +1,26 @@
+"""`specd bench osd` pieces that need no server: the stream's order, swap events, the plot."""
+
+from __future__ import annotations
+
+from bench.osd import DOMAINS, stream_prompts, swap_events, write_plot
+
+
+def test_stream_is_gsm8k_then_humaneval_from_the_train_split() -> None:
+    prompts = stream_prompts(DOMAINS, 5, "train")
+    assert [d for d, _ in prompts] == ["gsm8k"] * 5 + ["humaneval"] * 5
+    eval_texts = {p.text for _, p in stream_prompts(DOMAINS, 5, "eval")}
+    assert not eval_texts & {p.text for _, p in prompts}
+
+
+def test_swap_events_mark_the_first_request_of_each_new_version() -> None:
+    rows = [{"index": 0, "versions": ["a"]}, {"index": 1, "versions": ["a"]}, None,
+            {"index": 3, "versions": ["a", "b"]}, {"index": 4, "versions": ["b"]},
+            {"index": 5, "error": "x"}, {"index": 6, "versions": ["c"]}]
+    assert swap_events(rows) == [{"index": 3, "version": "b"}, {"index": 6, "version": "c"}]
+
+
+def test_plot_is_written(tmp_path) -> None:
+    run = {"requests": [{"index": i, "alpha": i / 10, "versions": ["a"]} for i in range(10)],
+           "swaps": [{"index": 4, "version": "b"}]}
+    path = write_plot(tmp_path / "osd.png", {"on": run, "off": run}, 5, "t")
+    assert path.stat().st_size > 1000
