@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -55,6 +56,10 @@ class TrainerActor:
     """Runs OnlineTrainer.poll() on a thread; Ray calls stats() and stop() while it runs."""
 
     def __init__(self, cfg, endpoint: RedisEndpoint):
+        if cfg.trainer.nice:
+            # Before torch starts its thread pool, which inherits it: where the trainer shares CPUs with
+            # serving (this machine), serving comes first. Linux applies it per thread.
+            os.nice(cfg.trainer.nice)
         self.trainer = build_trainer(cfg, endpoint)
         self._stop = threading.Event()
         self._error: str | None = None
@@ -103,6 +108,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("specd train needs replay.redis_url=redis://HOST:PORT/0 (password in $"
               f"{cfg.replay.password_env})", flush=True)
         return 2
+    if cfg.trainer.nice:
+        os.nice(cfg.trainer.nice)
     trainer = build_trainer(cfg, endpoint_from_config(cfg.replay))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
