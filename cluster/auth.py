@@ -20,6 +20,7 @@ import grpc
 
 log = logging.getLogger(__name__)
 
+ADMIN_METHOD_PREFIX = "/specd.v1.SpecdAdmin/"
 # Prefixes of the methods anyone may call: health for probes, reflection for discovery tools.
 OPEN_METHOD_PREFIXES = (
     "/grpc.health.v1.Health/",
@@ -29,20 +30,22 @@ OPEN_METHOD_PREFIXES = (
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def read_tokens(token_file: str | None = None, token_env: str | None = None) -> tuple[str, ...]:
-    """The accepted tokens: non-empty lines of token_file plus the value of $token_env."""
+def read_tokens(token_file: str | None = None, token_env: str | None = None,
+                key: str = "auth_token") -> tuple[str, ...]:
+    """The accepted tokens: non-empty lines of token_file plus the value of $token_env (key names the
+    config keys in errors: server.<key>_file, server.<key>_env)."""
     tokens: list[str] = []
     if token_file:
         path = Path(token_file)
         if not path.is_file():
-            raise ValueError(f"server.auth_token_file={token_file!r}: no such file")
+            raise ValueError(f"server.{key}_file={token_file!r}: no such file")
         tokens += [line.strip() for line in path.read_text().splitlines() if line.strip()]
         if not tokens:
-            raise ValueError(f"server.auth_token_file={token_file!r} holds no token")
+            raise ValueError(f"server.{key}_file={token_file!r} holds no token")
     if token_env:
         value = os.environ.get(token_env, "").strip()
         if not value:
-            raise ValueError(f"server.auth_token_env={token_env!r}: the variable is unset or empty")
+            raise ValueError(f"server.{key}_env={token_env!r}: the variable is unset or empty")
         tokens.append(value)
     return tuple(tokens)
 
@@ -80,31 +83,46 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
+def _matches(authorization: str | None, tokens: tuple[bytes, ...]) -> bool:
+    if not tokens or not authorization or not authorization.startswith("Bearer "):
+        return False
+    given = authorization[len("Bearer "):].strip().encode()
+    # compare_digest against every token (no early exit), so timing does not reveal which is close
+    return sum(hmac.compare_digest(given, t) for t in tokens) > 0
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without `authorization: Bearer <one of tokens>` (health and reflection exempt)."""
+    """Rejects calls without `authorization: Bearer <one of tokens>` (health and reflection exempt).
 
-    def __init__(self, tokens: tuple[str, ...]):
-        if not tokens:
-            raise ValueError("BearerAuthInterceptor needs at least one token")
+    Admin calls (SpecdAdmin) need one of admin_tokens when there are any, else one of tokens; with
+    neither they are refused (a server without tokens gets this interceptor only off loopback)."""
+
+    def __init__(self, tokens: tuple[str, ...], admin_tokens: tuple[str, ...] = ()):
         self._tokens = tuple(t.encode() for t in tokens)
+        self._admin = tuple(t.encode() for t in admin_tokens)
 
-    def allowed(self, authorization: str | None) -> bool:
-        if not authorization or not authorization.startswith("Bearer "):
-            return False
-        given = authorization[len("Bearer "):].strip().encode()
-        # compare_digest against every token (no early exit), so timing does not reveal which is close
-        return sum(hmac.compare_digest(given, t) for t in self._tokens) > 0
+    def allowed(self, authorization: str | None, admin: bool = False) -> bool:
+        if admin:
+            return _matches(authorization, self._admin or self._tokens)
+        return not self._tokens or _matches(authorization, self._tokens)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
+        method = handler_call_details.method
+        if handler is None or method.startswith(OPEN_METHOD_PREFIXES):
             return handler
         metadata = {k: v for k, v in (handler_call_details.invocation_metadata or ())}
         authorization = metadata.get("authorization")
-        if self.allowed(authorization if isinstance(authorization, str) else None):
+        authorization = authorization if isinstance(authorization, str) else None
+        admin = method.startswith(ADMIN_METHOD_PREFIX)
+        if self.allowed(authorization, admin):
             return handler
+        if admin and not (self._admin or self._tokens):
+            return _deny(handler, "admin RPCs on a non-loopback server need server.admin_token_file or "
+                                  "admin_token_env (or server.auth_token_file/env)")
         reason = "missing bearer token" if not authorization else "invalid bearer token"
-        return _deny(handler, f"{reason}: send metadata 'authorization: Bearer <token>'")
+        what = "admin token" if admin and self._admin else "token"
+        return _deny(handler, f"{reason}: send metadata 'authorization: Bearer <{what}>'")
 
 
 @dataclass(frozen=True)
@@ -132,8 +150,12 @@ class ServerSecurity:
             raise ValueError("server.tls_client_ca_file (mutual TLS) needs server.tls_cert_file and "
                              "server.tls_key_file")
         tokens = read_tokens(server.auth_token_file, server.auth_token_env)
-        interceptors = (BearerAuthInterceptor(tokens),) if tokens else ()
-        if server.host not in LOOPBACK_HOSTS and not (credentials and tokens):
+        admin = read_tokens(server.admin_token_file, server.admin_token_env, key="admin_token")
+        loopback = server.host in LOOPBACK_HOSTS
+        # no interceptor at all only on a loopback host without tokens: everything open there
+        needed = tokens or admin or not loopback
+        interceptors = (BearerAuthInterceptor(tokens, admin),) if needed else ()
+        if not loopback and not (credentials and tokens):
             log.warning("serving on %s without %s: anyone who reaches the port can use it", server.host,
                         " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on))
         return cls(credentials, interceptors)

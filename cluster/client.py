@@ -176,6 +176,7 @@ class SpecdClient:
                         else grpc.insecure_channel(address, options=sec.channel_args()))
         self.metadata = sec.metadata()
         self.stub = serving_pb2_grpc.SpecdStub(self.channel)
+        self.admin_stub = serving_pb2_grpc.SpecdAdminStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
@@ -196,6 +197,12 @@ class SpecdClient:
     def server_info(self) -> dict:
         return _dict(self.stub.ServerInfo(serving_pb2.ServerInfoRequest(), timeout=self.timeout or 30,
                                           metadata=self.metadata))
+
+    def set_config(self, overrides: list[str]) -> dict[str, str]:
+        """Live tuning (SpecdAdmin.SetConfig): e.g. ["spec.gamma=5"]; returns {key: new value} changed."""
+        resp = self.admin_stub.SetConfig(serving_pb2.SetConfigRequest(overrides=list(overrides)),
+                                         timeout=self.timeout or 30, metadata=self.metadata)
+        return dict(resp.changed)
 
     def health(self, service: str = "") -> str:
         resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)

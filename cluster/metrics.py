@@ -48,6 +48,12 @@ class SpecdMetrics(SchedulerObserver):
                                       "Completion tokens over total time, per request",
                                       buckets=_RATE_BUCKETS, registry=r)
         self.queue_depth = Gauge("specd_queue_depth", "Requests waiting for a slot", registry=r)
+        self.live = Gauge("specd_live_config", "Live-tunable speculation settings now in force", ["key"],
+                          registry=r)
+        self.live_policy = Gauge("specd_live_policy_info", "Default γ policy and drafter version pin",
+                                 ["policy", "version_pin"], registry=r)
+        self.live_changes = Counter("specd_live_config_sets", "Times the live settings were set (start "
+                                    "included)", registry=r)
         self.running = Gauge("specd_running_requests", "Requests holding a slot", registry=r)
         self.requests = Counter("specd_requests", "Finished requests", ["reason"], registry=r)
         self.drafted = Counter("specd_drafted_tokens", "Drafted tokens", ["drafter_version"], registry=r)
@@ -81,6 +87,19 @@ class SpecdMetrics(SchedulerObserver):
         self._sum_drafted = self._sum_accepted = self._sum_emitted = self._steps = 0
 
     # ---- SchedulerObserver ---------------------------------------------------------------------
+    def set_live_config(self, bounds, version_pin: str | None) -> None:
+        """Gauges of the settings `specd admin set` changes (cluster/admin.py), set at start and on
+        every change."""
+        values = {"spec_enabled": float(bounds.spec_enabled), "gamma_default": bounds.gamma_default,
+                  "gamma_min": bounds.gamma_min, "gamma_max": bounds.gamma_max,
+                  "tree_width_default": bounds.tree_width_default, "tree_width_max": bounds.tree_width_max}
+        for key, value in values.items():
+            self.live.labels(key=key).set(value)
+        self.live_policy.clear()
+        self.live_policy.labels(policy=str(bounds.policy_default),
+                                version_pin=version_pin or "").set(1)
+        self.live_changes.inc()
+
     def on_queue(self, waiting: int, running: int) -> None:
         self.queue_depth.set(waiting)
         self.running.set(running)

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.admin import AdminServicer
 from cluster.auth import ServerSecurity
 from cluster.metrics import SpecdMetrics
 from cluster.scheduler import (
@@ -44,6 +45,7 @@ _WORKER_FIELDS = frozenset(serving_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Specd"].full_name   # "specd.v1.Specd"
+ADMIN_SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["SpecdAdmin"].full_name
 _FINISH = {
     FINISH_LENGTH: serving_pb2.FINISH_REASON_LENGTH,
     FINISH_EOS: serving_pb2.FINISH_REASON_EOS,
@@ -131,6 +133,7 @@ class Backend:
     max_queue: int
     metrics: SpecdMetrics | None = None
     config: dict[str, str] = field(default_factory=dict)   # configs.flatten of the running config
+    drafters: list = field(default_factory=list)   # DraftWorker handles, for live drafter.version_pin
 
 
 class SpecdServicer(serving_pb2_grpc.SpecdServicer):
@@ -262,10 +265,11 @@ class GrpcServer:
         interceptors = security.interceptors if security else ()
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         serving_pb2_grpc.add_SpecdServicer_to_server(servicer, self.server)
+        serving_pb2_grpc.add_SpecdAdminServicer_to_server(AdminServicer(servicer), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         self.bind_host = f"[{host}]" if ":" in host else host
         credentials = security.credentials if security else None

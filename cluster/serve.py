@@ -167,8 +167,9 @@ async def _bring_up(
         scheduler=res.scheduler, codec=codec, bounds=Bounds.from_config(cfg, info), model=info["model"],
         eos_token_ids=tuple(info["eos_token_ids"]), replicas=len(infos),
         pipeline_groups=cfg.server.pipeline_groups, max_queue=cfg.server.max_queue, metrics=metrics,
-        config=flatten(cfg),
+        config=flatten(cfg), drafters=[r.drafter for r in res.cluster.replicas],
     )
+    metrics.set_live_config(backend.bounds, cfg.drafter.version_pin)
     await res.grpc.attach(backend)
     metrics_note = f", metrics on http://{cfg.server.host}:{metrics_port}/metrics" if metrics_port else ""
     print(f"specd serving {info['model']} on {res.grpc.address}{metrics_note}", flush=True)

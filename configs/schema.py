@@ -114,6 +114,9 @@ class DrafterConfig:
     max_seq_len: int | None = None
     min_ngram: int = 1                  # n-gram drafter: shortest suffix it matches
     max_ngram: int = 4                  # n-gram drafter: longest suffix it matches
+    # Serve this published version of the online trainer's version store and no other (set live with
+    # `specd admin set drafter.version_pin=...`); null = follow the trainer's CURRENT version.
+    version_pin: str | None = None
     hybrid_min_match: int = 2           # kind=hybrid: copy (n-gram) when >= this many tokens match
     # kind=suffix (workers/drafters/suffix.py): suffix index over served traffic + one per request
     suffix_with_model: bool = True      # the model drafter drafts where it promises more per unit cost
@@ -175,6 +178,10 @@ class ServerConfig:
     auth_token_file: str | None = None
     auth_token_env: str | None = None   # name of an environment variable holding a token
     max_message_bytes: int = 4194304    # gRPC receive/send limit per message (4 MiB, gRPC's default)
+    # Tokens of the admin RPC (SpecdAdmin.SetConfig, `specd admin set`), file and/or variable name; unset
+    # = the bearer tokens above; none at all = admin only on a loopback host.
+    admin_token_file: str | None = None
+    admin_token_env: str | None = None  # name of an environment variable holding the admin token
 
 
 @dataclass

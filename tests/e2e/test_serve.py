@@ -215,3 +215,22 @@ def test_metrics_endpoint(server) -> None:
     for name in ("specd_generated_tokens_total", "specd_time_to_first_token_seconds_bucket",
                  "specd_drafted_tokens_total", "specd_position_drafted_total", "specd_queue_depth"):
         assert name in text, name
+
+
+def test_admin_set_changes_gamma_for_the_next_requests(server) -> None:
+    """Live tuning on the running server (loopback, no tokens: the admin RPC is open there)."""
+    c, default = server["client"], server["cfg"].spec.gamma
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    base = c.generate(PROMPTS[0], **kw)
+    assert len(base.usage["drafted_per_position"]) <= default
+    try:
+        assert c.set_config(["spec.gamma=1"]) == {"spec.gamma": "1"}
+        assert c.server_info()["gamma_default"] == 1
+        one = c.generate(PROMPTS[0], **kw)
+        assert len(one.usage["drafted_per_position"]) <= 1 and one.token_ids == base.token_ids
+        assert c.set_config(["spec.gamma=0"]) == {"spec.gamma": "0"}
+        zero = c.generate(PROMPTS[0], **kw)
+        assert zero.usage["drafted"] == 0 and zero.token_ids == base.token_ids
+    finally:
+        c.set_config([f"spec.gamma={default}"])
+    assert c.server_info()["config"]["spec.gamma"] == str(default)

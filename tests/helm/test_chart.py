@@ -44,7 +44,7 @@ VALUE_SETS = {
         "target": {"replicas": 3, "gpus": 2, "nodeSelector": {"gpu": "h100"},
                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
         "tls": {"mutual": True},
-        "auth": {"token": "operator-chosen-token"},
+        "auth": {"token": "operator-chosen-token", "admin": {"existingSecret": "ops-admin"}},
         "redis": {"persistence": {"enabled": True, "size": "20Gi", "storageClass": "fast"}},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
         "router": {"service": {"type": "LoadBalancer"}, "metricsPort": 9100},
@@ -192,14 +192,20 @@ def test_router_service_probes_and_secrets_are_wired(rendered) -> None:
     assert router["command"][:2] == ["specd", "serve"]
     mounts = {m["mountPath"] for m in router["volumeMounts"]}
     assert router["command"][-1] in mounts
-    for key in ("server.tls_cert_file", "server.auth_token_file", "server.tls_client_ca_file"):
+    auth = values.get("auth", {})
+    admin_on = auth.get("enabled", True) and auth.get("admin", {}).get("enabled", True)
+    assert ("server.admin_token_file" in cfg_lines) == admin_on
+    for key in ("server.tls_cert_file", "server.auth_token_file", "server.tls_client_ca_file",
+                "server.admin_token_file"):
         if key in cfg_lines:
             assert any(cfg_lines[key].startswith(m + "/") for m in mounts), key
     secrets = {d["metadata"]["name"]: d for d in by_kind(docs, "Secret")}
     volumes = router_volumes(docs)
-    for volume in volumes.values():
-        if "secret" in volume and not values.get("tls", {}).get("existingSecret"):
-            assert volume["secret"]["secretName"] in secrets or values.get("auth", {}).get("existingSecret")
+    existing = {values.get("tls", {}).get("existingSecret"), values.get("auth", {}).get("existingSecret"),
+                values.get("auth", {}).get("admin", {}).get("existingSecret")} - {None, ""}
+    for volume in volumes.values():      # every Secret the router mounts is rendered or named by values
+        if "secret" in volume:
+            assert volume["secret"]["secretName"] in set(secrets) | existing, volume
     metrics = values.get("router", {}).get("metricsPort", 9464)
     assert bool(by_kind(docs, "ServiceMonitor")) == bool(
         metrics and values.get("serviceMonitor", {}).get("enabled"))

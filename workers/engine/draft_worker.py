@@ -170,6 +170,14 @@ class DraftWorker:
             self._swapper = DrafterSwapper(root, target_model_dir, model, version, poll_s).start()
         return self.drafter.version
 
+    def pin_version(self, version: str | None) -> str:
+        """Serve `version` of the version store and no other (None: follow CURRENT again). Loaded and
+        verified in the background and applied between steps, like any swap; returns the serving one."""
+        if self._swapper is None:
+            raise ValueError("this drafter follows no version store (online training is off)")
+        self._swapper.pin = version or None
+        return self.drafter.version
+
     def swap_stats(self) -> dict:
         s = self._swapper
         return {"version": self.drafter.version, "swaps": s.swaps if s else 0,

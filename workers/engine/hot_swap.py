@@ -32,6 +32,7 @@ class DrafterSwapper:
         self.serving = serving_version
         self.poll_s = poll_s
         self.rejected: dict[str, str] = {}       # version -> reason
+        self.pin: str | None = None              # serve this version, not CURRENT (drafter.version_pin)
         self.swaps = 0
         self._ready: tuple[str, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
@@ -54,7 +55,7 @@ class DrafterSwapper:
     def check(self) -> str | None:
         """Look at CURRENT once; returns the version made ready, if any (the thread calls this)."""
         try:
-            wanted = read_current(self.root)
+            wanted = self.pin or read_current(self.root)
         except OSError:
             return None
         with self._lock:

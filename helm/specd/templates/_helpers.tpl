@@ -42,6 +42,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- .Values.auth.existingSecret | default (printf "%s-token" (include "specd.fullname" .)) }}
 {{- end }}
 
+{{- define "specd.adminTokenSecret" -}}
+{{- .Values.auth.admin.existingSecret | default (printf "%s-admin-token" (include "specd.fullname" .)) }}
+{{- end }}
+
+{{- define "specd.adminEnabled" -}}
+{{- if and .Values.auth.enabled .Values.auth.admin.enabled }}true{{ end }}
+{{- end }}
+
 {{- define "specd.tlsSecret" -}}
 {{- .Values.tls.existingSecret | default (printf "%s-tls" (include "specd.fullname" .)) }}
 {{- end }}

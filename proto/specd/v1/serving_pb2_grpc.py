@@ -187,3 +187,96 @@ class Specd:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SpecdAdminStub:
+    """---- server info ------------------------------------------------------------------------------------
+
+    ---- admin (live tuning) -----------------------------------------------------------------------
+
+    Changes speculation settings of a running server without a restart. Needs the admin token
+    (server.admin_token_file / admin_token_env) when one is configured, else the server's bearer token;
+    with no token configured, only a loopback server accepts it.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetConfig = channel.unary_unary(
+                '/specd.v1.SpecdAdmin/SetConfig',
+                request_serializer=specd_dot_v1_dot_serving__pb2.SetConfigRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_serving__pb2.SetConfigResponse.FromString,
+                _registered_method=True)
+
+
+class SpecdAdminServicer:
+    """---- server info ------------------------------------------------------------------------------------
+
+    ---- admin (live tuning) -----------------------------------------------------------------------
+
+    Changes speculation settings of a running server without a restart. Needs the admin token
+    (server.admin_token_file / admin_token_env) when one is configured, else the server's bearer token;
+    with no token configured, only a loopback server accepts it.
+    """
+
+    def SetConfig(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SpecdAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetConfig,
+                    request_deserializer=specd_dot_v1_dot_serving__pb2.SetConfigRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_serving__pb2.SetConfigResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'specd.v1.SpecdAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('specd.v1.SpecdAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SpecdAdmin:
+    """---- server info ------------------------------------------------------------------------------------
+
+    ---- admin (live tuning) -----------------------------------------------------------------------
+
+    Changes speculation settings of a running server without a restart. Needs the admin token
+    (server.admin_token_file / admin_token_env) when one is configured, else the server's bearer token;
+    with no token configured, only a loopback server accepts it.
+    """
+
+    @staticmethod
+    def SetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.SpecdAdmin/SetConfig',
+            specd_dot_v1_dot_serving__pb2.SetConfigRequest.SerializeToString,
+            specd_dot_v1_dot_serving__pb2.SetConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -74,3 +74,24 @@ def store_current(store: VersionStore, version: str) -> None:
     from workers.drafters.versions import write_current
 
     write_current(store.root, version)
+
+
+def test_a_pinned_version_wins_over_current_until_unpinned(tmp_path, tiny_llama_dir, drafters):
+    token_dir, _ = drafters
+    worker = _worker(tiny_llama_dir, token_dir)
+    with pytest.raises(ValueError, match="no version store"):
+        worker.pin_version("v1")            # not following a store yet: nothing to pin
+    store = VersionStore(tmp_path / "store")
+    worker.watch_versions(str(store.root), str(tiny_llama_dir), poll_s=3600)   # checks by hand
+    swapper = worker._swapper
+    first = _publish(store, token_dir, tiny_llama_dir)
+    second = _publish(store, token_dir, tiny_llama_dir)
+    store_current(store, second)
+    worker.pin_version(first)               # drafter.version_pin (specd admin set): first, not CURRENT
+    assert swapper.check() == first
+    worker.propose([])                      # applied between steps like any swap
+    assert worker.version() == first and swapper.check() is None
+    worker.pin_version(None)                # unpinned: CURRENT again
+    assert swapper.check() == second
+    worker.propose([])
+    assert worker.version() == second

@@ -1,0 +1,147 @@
+"""Live tuning: the SpecdAdmin service and `specd admin set/get`.
+
+`SetConfig` takes Hydra-style overrides of the live keys, builds the whole config again from the
+running one plus the overrides and validates it exactly like start-up (configs.load_config), so a bad
+value is refused with the same message and nothing changes. A valid change replaces the router's
+Bounds (γ default and bounds, tree width, policy, speculation on/off) in one assignment: a request
+takes its settings when it is admitted, so every step of it runs with one consistent set, and the
+next admitted request runs with the new one. A drafter version pin goes to each DraftWorker, which
+applies it between steps like any hot swap. ServerInfo's config and the specd_live_* gauges report
+the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import threading
+
+import grpc
+
+from configs import ConfigError, flatten, load_config
+from proto.specd.v1 import serving_pb2, serving_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+LIVE_KEYS = (
+    "spec.enabled", "spec.gamma", "spec.gamma_min", "spec.gamma_max", "spec.tree_width",
+    "spec.tree_width_max", "spec.policy", "drafter.version_pin",
+)
+# load_config uses Hydra's process-wide state: one composition at a time
+_HYDRA_LOCK = threading.Lock()
+
+
+def _as_override(key: str, text: str) -> str:
+    # dict keys (custom Ray resources) need `++` to be set whole in a struct config
+    return f"++{key}={text}" if key.endswith("resources") and text != "{}" else f"{key}={text}"
+
+
+def plan_update(current: dict[str, str], overrides: list[str]):
+    """(validated new config, {key: new text}) for overrides of the running config `current`
+    (configs.flatten form). Raises ConfigError for a bad value or a key that cannot change live."""
+    if not overrides:
+        raise ConfigError("no overrides given; live keys: " + ", ".join(LIVE_KEYS))
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if "=" not in override or override.startswith(("+", "~")):
+            raise ConfigError(f"{override!r} is not allowed: give key=value of a live key")
+        if key not in LIVE_KEYS:
+            raise ConfigError(f"{key} cannot change on a running server (restart with it); live keys: "
+                              + ", ".join(LIVE_KEYS))
+    base = [_as_override(k, v) for k, v in current.items()]
+    with _HYDRA_LOCK:
+        cfg = load_config(base + list(overrides))
+    new = flatten(cfg)
+    changed = {k: v for k, v in new.items() if current.get(k) != v}
+    stray = sorted(set(changed) - set(LIVE_KEYS))
+    if stray:   # a live key must not move anything else (defensive: the round trip is exact)
+        raise ConfigError(f"the change would also move {', '.join(stray)}; refused")
+    return cfg, changed
+
+
+def apply_bounds(bounds, cfg):
+    """The router's Bounds with the live spec keys of cfg."""
+    spec = cfg.spec
+    return dataclasses.replace(
+        bounds, spec_enabled=spec.enabled, gamma_default=spec.gamma, gamma_min=spec.gamma_min,
+        gamma_max=spec.gamma_max, tree_width_default=spec.tree_width, tree_width_max=spec.tree_width_max,
+        policy_default=str(spec.policy),
+    )
+
+
+class AdminServicer(serving_pb2_grpc.SpecdAdminServicer):
+    """Shares the SpecdServicer's backend; changes apply to the next admitted request."""
+
+    def __init__(self, specd_servicer):
+        self.specd = specd_servicer
+        self._lock = asyncio.Lock()
+
+    async def SetConfig(self, request, context):
+        backend = self.specd.backend
+        if backend is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
+        async with self._lock:
+            try:
+                cfg, changed = await asyncio.to_thread(plan_update, dict(backend.config),
+                                                       list(request.overrides))
+            except ConfigError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            if "drafter.version_pin" in changed:
+                pin = cfg.drafter.version_pin
+                try:
+                    await asyncio.gather(*[d.pin_version.remote(pin) for d in backend.drafters])
+                except Exception as err:  # the actor's error text says why (no version store, ...)
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        f"drafter.version_pin={pin!r} is not allowed: {err}")
+            backend.bounds = apply_bounds(backend.bounds, cfg)
+            backend.config = {**backend.config, **changed}
+            if backend.metrics is not None:
+                backend.metrics.set_live_config(backend.bounds, cfg.drafter.version_pin)
+            log.info("live config changed: %s", changed)
+            return serving_pb2.SetConfigResponse(changed=changed, config=backend.config)
+
+
+# ---- command line ------------------------------------------------------------------------------
+def _cmd_admin(args: argparse.Namespace) -> int:
+    from cluster.client import SpecdClient
+    from cluster.serve import client_security
+
+    if args.token_env == "SPECD_ADMIN_TOKEN" and (args.action == "get"
+                                                  or not os.environ.get("SPECD_ADMIN_TOKEN")):
+        # get reads ServerInfo (a user call); a server without admin tokens takes its bearer token
+        args.token_env = "SPECD_TOKEN"
+    try:
+        with SpecdClient(args.address, timeout=args.timeout, security=client_security(args)) as client:
+            if args.action == "set":
+                changed = client.set_config(args.overrides)
+                for key, value in sorted(changed.items()):
+                    print(f"{key}={value}")
+                if not changed:
+                    print("(nothing changed)", file=sys.stderr)
+            else:
+                config = client.server_info()["config"]
+                wanted = args.overrides or LIVE_KEYS
+                for key in wanted:
+                    print(f"{key}={config.get(key, '<unknown key>')}")
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_cli(subparsers) -> None:
+    """`specd admin set KEY=VALUE ...` and `specd admin get [KEY ...]` (called by cluster/cli.py)."""
+    from cluster.serve import add_client_options
+
+    p = subparsers.add_parser("admin", help="change speculation settings of a running server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("set", "get"))
+    p.add_argument("overrides", nargs="*", help="set: live keys, e.g. spec.gamma=5; get: keys to show")
+    add_client_options(p)
+    p.set_defaults(token_env="SPECD_ADMIN_TOKEN")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.set_defaults(func=_cmd_admin)

@@ -1,0 +1,139 @@
+"""Live tuning over real gRPC with fake workers: SpecdAdmin.SetConfig needs the admin token, validates
+like start-up (nothing changes on a bad value), and the next requests run with the new γ, tree width
+and policy; ServerInfo, the live gauges and `specd admin set/get` report it."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from fake_workers import EOS, FakeDrafter, FakeTarget
+from prometheus_client import CollectorRegistry
+from test_router import BOUNDS, LoopThread, ToyCodec
+
+from cluster.admin import LIVE_KEYS, plan_update
+from cluster.auth import ServerSecurity
+from cluster.client import Security, SpecdClient
+from cluster.metrics import SpecdMetrics
+from cluster.router import Backend, GrpcServer, SpecdServicer
+from cluster.scheduler import Scheduler
+from configs import ConfigError, flatten, load_config
+from configs.schema import ServerConfig
+
+TOKEN, ADMIN = "user-token", "admin-token"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("admin")
+    (tmp / "token").write_text(TOKEN)
+    (tmp / "admin").write_text(ADMIN)
+    lt = LoopThread()
+    target = FakeTarget(max_slots=2, delay=0.001)
+    drafter = FakeDrafter(target, delay=0.001)
+    cfg = load_config([f"spec.gamma={BOUNDS.gamma_default}", f"spec.gamma_max={BOUNDS.gamma_max}",
+                       f"spec.tree_width_max={BOUNDS.tree_width_max}"])
+    metrics = SpecdMetrics(CollectorRegistry())
+    security = ServerSecurity.from_config(ServerConfig(auth_token_file=str(tmp / "token"),
+                                                       admin_token_file=str(tmp / "admin")))
+
+    async def up():
+        sched = Scheduler([(target, drafter)], capacity=2, max_queue=4, max_running=2, pipeline_groups=1,
+                          eos_token_ids=[EOS])
+        await sched.start()
+        srv = GrpcServer(SpecdServicer(), port=0, security=security)
+        await srv.start()
+        backend = Backend(sched, ToyCodec(), BOUNDS, "fake", (EOS,), 1, 1, 4, metrics, flatten(cfg))
+        metrics.set_live_config(backend.bounds, None)
+        await srv.attach(backend)
+        return sched, srv, backend
+
+    sched, srv, backend = lt.run(up())
+    yield {"address": srv.address, "backend": backend, "metrics": metrics, "tmp": tmp}
+    lt.run(srv.stop(0))
+    lt.run(sched.stop())
+    lt.close()
+
+
+def client(server, token: str | None) -> SpecdClient:
+    return SpecdClient(server["address"], timeout=30, security=Security(token=token))
+
+
+def depth(c: SpecdClient, **kw) -> int:
+    """Deepest draft position of one request: how far γ let the drafter go."""
+    out = c.generate(text="hi", max_new_tokens=12, ignore_eos=True, **kw)
+    return len(out.usage["drafted_per_position"])
+
+
+def test_admin_needs_the_admin_token(server) -> None:
+    for token in (None, TOKEN, "wrong"):
+        with client(server, token) as c, pytest.raises(grpc.RpcError) as err:
+            c.set_config(["spec.gamma=2"])
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with client(server, ADMIN) as c, pytest.raises(grpc.RpcError) as err:
+        c.generate(text="hi")           # the admin token is not a user token
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_next_requests_use_the_new_gamma_tree_and_policy(server) -> None:
+    with client(server, TOKEN) as user, client(server, ADMIN) as admin:
+        assert depth(user) == BOUNDS.gamma_default
+        assert admin.set_config(["spec.gamma=2"]) == {"spec.gamma": "2"}
+        assert depth(user) == 2
+        assert admin.set_config(["spec.gamma=5", "spec.gamma_max=5", "spec.tree_width=2",
+                                 "spec.policy=egag"]) == {
+            "spec.gamma": "5", "spec.gamma_max": "5", "spec.tree_width": "2", "spec.policy": "egag"}
+        info = user.server_info()
+        assert (info["gamma_default"], info["gamma_max"], info["tree_width_default"]) == (5, 5, 2)
+        assert info["gamma_policy_default"] == "egag" and info["config"]["spec.gamma"] == "5"
+        with pytest.raises(grpc.RpcError) as err:     # the new bound holds for requests too
+            user.generate(text="hi", gamma=6)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert admin.set_config(["spec.enabled=false"]) == {"spec.enabled": "false"}
+        assert depth(user) == 0
+        admin.set_config(["spec.enabled=true", "spec.gamma=3", "spec.gamma_max=6", "spec.tree_width=1",
+                          "spec.policy=fixed"])
+        assert depth(user) == 3
+    registry = server["metrics"].registry
+    assert registry.get_sample_value("specd_live_config", {"key": "gamma_default"}) == 3
+    assert registry.get_sample_value("specd_live_policy_info", {"policy": "fixed", "version_pin": ""}) == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["spec.gamma=99"], "spec.gamma=99 is not allowed"),
+    (["spec.policy=bogus"], "spec.policy='bogus'"),
+    (["server.port=1"], "server.port cannot change on a running server"),
+    (["spec.gama=1"], "spec.gama cannot change"),
+    (["+spec.gamma=1"], "give key=value"),
+    ([], "no overrides given"),
+])
+def test_bad_changes_are_refused_and_change_nothing(server, overrides, message) -> None:
+    before = dict(server["backend"].config)
+    with client(server, ADMIN) as admin, pytest.raises(grpc.RpcError) as err:
+        admin.set_config(overrides)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert server["backend"].config == before
+
+
+def test_specd_admin_cli(server, monkeypatch, capsys) -> None:
+    from cluster.cli import main
+
+    monkeypatch.setenv("SPECD_ADMIN_TOKEN", ADMIN)
+    assert main(["admin", "set", "spec.gamma=4", "--address", server["address"]]) == 0
+    assert "spec.gamma=4" in capsys.readouterr().out
+    monkeypatch.setenv("SPECD_TOKEN", TOKEN)
+    assert main(["admin", "get", "spec.gamma", "--address", server["address"]]) == 0
+    assert capsys.readouterr().out.strip() == "spec.gamma=4"
+    monkeypatch.delenv("SPECD_ADMIN_TOKEN")       # falls back to SPECD_TOKEN: not an admin token
+    assert main(["admin", "set", "spec.gamma=2", "--address", server["address"]]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_plan_update_keeps_every_other_key() -> None:
+    current = flatten(load_config(["drafter=ngram", "cluster=ray", "++target.resources={gpu_a:1}"]))
+    cfg, changed = plan_update(current, ["spec.gamma=6", "drafter.version_pin=v3"])
+    assert changed == {"spec.gamma": "6", "drafter.version_pin": "v3"}
+    assert {k: v for k, v in flatten(cfg).items() if k not in changed} == {
+        k: v for k, v in current.items() if k not in changed}
+    assert set(changed) <= set(LIVE_KEYS)
+    with pytest.raises(ConfigError, match="spec.tree_width=9"):
+        plan_update(current, ["spec.tree_width=9"])
