@@ -42,6 +42,8 @@ DRAFTER = {
     "ngram": DrafterConfig(kind=DrafterKind.ngram),
     # n-gram copy when the context repeats, else the model drafter
     "hybrid": DrafterConfig(kind=DrafterKind.hybrid),
+    # suffix index over served traffic, combined per request with the model drafter
+    "suffix": DrafterConfig(kind=DrafterKind.suffix),
 }
 
 SPEC = {

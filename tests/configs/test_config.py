@@ -104,6 +104,7 @@ def test_groups_set_their_section_and_overrides_win() -> None:
     assert cfg.spec.tree_width == 3 and cfg.spec.gamma == 4
     assert cfg.ray.address == "auto" and cfg.target.num_gpus == 1 and cfg.drafter.num_gpus == 1
     assert load_config(["spec=off"]).spec.enabled is False
+    assert load_config(["drafter=suffix"]).drafter.kind == "suffix"
     # cluster comes after model in the defaults: the preset's placement stays with model=hf
     cfg = load_config(["cluster=ray", "model=hf", "target.model_path=/m"])
     assert cfg.target.num_gpus == 1 and cfg.target.model_path == "/m"
