@@ -31,6 +31,8 @@ from bench.report import add_ratios, make_row, render_table, sort_rows, write_js
 from bench.systems import SYSTEMS, System
 
 WORKLOADS = ("gsm8k", "humaneval")
+# Workloads run only when asked for by name (not in the full plan): repeat = bench/repetition.py
+EXTRA_WORKLOADS = ("repeat",)
 # Room after prompt + max_new_tokens for the largest verify forward (a tree's nodes) before rollback.
 SEQ_MARGIN = 32
 
@@ -70,8 +72,8 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
         if name not in SYSTEMS:
             raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
     for name in plan.workloads:
-        if name not in WORKLOADS:
-            raise SystemExit(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+        if name not in WORKLOADS + EXTRA_WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; known: {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
     if args.quick:
         for label, full, now in (
             ("systems", FULL.systems, plan.systems),
@@ -92,6 +94,11 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
 def load_workload_prompts(workload: str, num_prompts: int, tokenizer) -> list[tuple[int, list[int]]]:
     """(row index, chat-templated token ids) of the first `num_prompts` eval-split prompts."""
     from drafter_trainer.data import encode_chat, load_split
+
+    if workload == "repeat":
+        from bench.repetition import repetition_prompts
+
+        return repetition_prompts(num_prompts, tokenizer)
 
     return [(p.index, encode_chat(tokenizer, p)) for p in load_split(workload, "eval")[:num_prompts]]
 
@@ -267,6 +274,14 @@ def collect_rows(results: dict[str, dict], plan: Plan) -> tuple[list[dict], list
             row = make_row(name, cell, plan.max_new_tokens, result.get("peak_rss_mb"),
                            speculative_specd=system.kind == "specd" and system.spec_enabled,
                            load_s=result.get("load_s"))
+            if cell.get("suffix_sources"):
+                # the suffix drafter's drafted/accepted tokens by source, and the share of all accepted
+                # tokens drafted from other requests' outputs (its global index)
+                sources = cell["suffix_sources"]
+                row["suffix_sources"] = sources
+                accepted = sum(s["accepted"] for s in sources.values())
+                share = sources["global"]["accepted"] / accepted if accepted else None
+                row["cross_request_accepted_share"] = share
             rows.append(row)
             outputs[(name, (row["workload"], row["batch"], row["temperature"]))] = cell["outputs"]
             if cell.get("preemptions"):
@@ -355,7 +370,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "explicit options still win")
     parser.add_argument("--systems", type=_csv(str), default=None,
                         help=f"comma-separated, from: {', '.join(SYSTEMS)}")
-    parser.add_argument("--workloads", type=_csv(str), default=None, help="comma-separated: gsm8k,humaneval")
+    parser.add_argument("--workloads", type=_csv(str), default=None,
+                        help="comma-separated: gsm8k,humaneval (and repeat: bench/repetition.py)")
     parser.add_argument("--batch-sizes", type=_csv(int), default=None, help="comma-separated, e.g. 1,8")
     parser.add_argument("--temperatures", type=_csv(float), default=None, help="comma-separated, 0 = greedy")
     parser.add_argument("--num-prompts", type=int, default=None, help="eval-split prompts per workload")

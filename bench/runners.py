@@ -18,6 +18,7 @@ WARMUP_TOKENS = 8
 def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
     from configs import load_config
     from workers.core.sampling import SamplingParams
+    from workers.drafters.base import SCRATCH_PREFIX
     from workers.engine.draft_worker import DraftWorker
     from workers.engine.spec_engine import SpecEngine
     from workers.engine.target_worker import TargetWorker
@@ -27,6 +28,7 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
     cfg = load_config(specd_overrides(system, job))
     t0 = time.perf_counter()
     events.emit("phase", phase="loading")
+    drafter = None
     if system.backend == "vllm":
         from workers.engine.vllm_engine import VllmEngine
 
@@ -48,7 +50,9 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
 
     events.emit("phase", phase="warmup")
-    warm = NewRequest("warmup", job["warmup_prompt"], SamplingParams(), WARMUP_TOKENS, spec)
+    # scratch ids: a drafter that learns from traffic (suffix) must not learn the bench's own runs
+    warm = NewRequest(f"{SCRATCH_PREFIX}warmup", job["warmup_prompt"], SamplingParams(), WARMUP_TOKENS,
+                      spec)
     engine.generate([warm], ignore_eos=True)
 
     cells = []
@@ -56,6 +60,10 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
         events.emit("cell", workload=cell["workload"], batch=cell["batch"], temperature=cell["temperature"])
         result = new_cell_result(cell)
         result.update(drafted=0, accepted=0, steps=0, emitted=0)
+        suffix = getattr(drafter, "drafter", None) if system.backend == "torch" else None
+        if hasattr(suffix, "clear_index"):
+            # Every cell runs the same prompts: a cell must not draft from an earlier cell's outputs.
+            suffix.clear_index()
         tag = f"{cell['workload']}-b{cell['batch']}-t{cell['temperature']}"
         # vLLM's speculation is engine-wide: it cannot switch off per request, so no paired baseline there.
         paired = bool(job.get("paired")) and system.spec_enabled and system.backend == "torch"
@@ -70,8 +78,10 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             for phase in order:
                 if phase == "base":
                     off = SpecParams(enabled=False)
-                    base_requests = [NewRequest(f"{rid}-base", p, sp, job["max_new_tokens"], off)
-                                     for rid, p, sp in made]
+                    base_requests = [
+                        NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, job["max_new_tokens"], off)
+                        for rid, p, sp in made
+                    ]
                     start = time.perf_counter()
                     base = engine.generate(base_requests, ignore_eos=True)
                     result["paired_base_wall_s"] += time.perf_counter() - start
@@ -91,6 +101,9 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
                     result["emitted"] += seq.stats.emitted
         if not system.spec_enabled:
             result.update(drafted=None, accepted=None, steps=None, emitted=None)
+        if hasattr(suffix, "clear_index"):
+            # drafted / accepted tokens by source: local (own context), global (cross-request), model
+            result["suffix_sources"] = suffix.stats()["sources"]
         events.flush()
         cells.append(finish_cell(result))
     return {"cells": cells, "load_s": load_s, "drafter_version": drafter_version}

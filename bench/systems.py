@@ -15,6 +15,11 @@ A system is one way of generating the same tokens from the same prompts with the
     specd-egag       model drafter, entropy-guided γ up to 8
     specd-confidence model drafter, γ up to 8, drafting on while its top-1 probability >= 0.4
     specd-adaptive   model drafter, acceptance-adaptive γ up to 8
+    specd-goodput    model drafter, goodput-controlled γ up to 8 per request and step (0 = target-only)
+    specd-goodput-tree  the same with token trees up to width 3
+    specd-suffix     suffix drafter over served traffic + the model drafter where it promises more,
+                     goodput-controlled γ up to 8 (drafter.kind=suffix)
+    specd-suffix-only  the suffix drafter alone (no model drafter), goodput-controlled γ up to 8
     vllm-specd-chain target.backend=vllm: vLLM verifies, specd's token-only model drafter proposes
                      (γ = 3 fixed; vLLM does not hand its hidden states to a proposer)
     vllm-specd-ngram target.backend=vllm with specd's n-gram drafter (γ = 3 fixed)
@@ -42,6 +47,7 @@ class System:
     backend: str = "torch"                      # specd: target.backend, "torch" or "vllm"
     target_hidden: bool = True                  # specd model drafter: the one reading target hidden states
     vllm_speculative: dict[str, Any] | None = field(default=None, hash=False)
+    extra_overrides: tuple[str, ...] = ()       # specd: config overrides the system needs
 
     @property
     def speculative(self) -> bool:
@@ -49,7 +55,9 @@ class System:
 
     @property
     def needs_model_drafter(self) -> bool:
-        return self.drafter_kind in ("model", "hybrid")
+        return self.drafter_kind in ("model", "hybrid") or (
+            self.drafter_kind == "suffix" and "drafter.suffix_with_model=false" not in self.extra_overrides
+        )
 
     @property
     def runner(self) -> str:
@@ -82,6 +90,18 @@ SYSTEMS: dict[str, System] = {
                gamma=8, policy="confidence", spec_enabled=True, drafter_kind="model"),
         System("specd-adaptive", "specd", "model drafter, adaptive γ≤8",
                gamma=8, policy="adaptive", spec_enabled=True, drafter_kind="model"),
+        System("specd-goodput", "specd", "model drafter, goodput γ≤8 per request and step",
+               gamma=8, policy="goodput", spec_enabled=True, drafter_kind="model",
+               extra_overrides=("spec.policy=goodput",)),
+        System("specd-goodput-tree", "specd", "model drafter, goodput γ≤8 and tree width≤3",
+               gamma=8, policy="goodput", tree_width=3, spec_enabled=True, drafter_kind="model",
+               extra_overrides=("spec.policy=goodput",)),
+        System("specd-suffix", "specd", "suffix index over traffic + model drafter, goodput γ≤8",
+               gamma=8, policy="goodput", spec_enabled=True, drafter_kind="suffix",
+               extra_overrides=("spec.policy=goodput",)),
+        System("specd-suffix-only", "specd", "suffix index over traffic alone, goodput γ≤8",
+               gamma=8, policy="goodput", spec_enabled=True, drafter_kind="suffix",
+               extra_overrides=("spec.policy=goodput", "drafter.suffix_with_model=false")),
         System("vllm-specd-chain", "specd", "vLLM target + specd token-only model drafter, γ=3 fixed",
                spec_enabled=True, drafter_kind="model", backend="vllm", target_hidden=False),
         System("vllm-specd-ngram", "specd", "vLLM target + specd n-gram drafter, γ=3 fixed",
@@ -104,8 +124,9 @@ def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
     ]
     if system.drafter_kind is not None:
         out.append(f"drafter.kind={system.drafter_kind}")
-    if system.drafter_kind in ("model", "hybrid"):
+    if system.needs_model_drafter:
         out.append(f"drafter.target_hidden={str(system.target_hidden).lower()}")
+    out += list(system.extra_overrides)
     if system.backend == "vllm":
         # vLLM's proposer takes no per-request settings: γ budget and policy are the engine's.
         out += ["target.backend=vllm", f"spec.gamma={system.gamma}", f"spec.policy={system.policy}"]

@@ -31,7 +31,8 @@ def parse(argv):
 
 def test_full_plan_is_the_issue_matrix():
     plan = resolve_plan(parse([]))
-    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 14
+    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 18
+    assert {"specd-goodput", "specd-goodput-tree", "specd-suffix", "specd-suffix-only"} <= set(plan.systems)
     assert {"specd-chain", "specd-chain-tokens"} <= set(plan.systems)
     assert {"vllm", "vllm-ngram", "vllm-specd-chain", "vllm-specd-ngram"} <= set(plan.systems)
     assert plan.workloads == ["gsm8k", "humaneval"]
@@ -128,3 +129,26 @@ def test_smoke_run_target_only_and_ngram(tmp_path):
     assert ngram["mean_accepted_length"] >= 1.0
     assert ngram["speedup_vs_target_only"] == pytest.approx(ngram["tokens_per_s"] / baseline["tokens_per_s"])
     assert ngram["greedy_agreement_vs_target_only"] == 1.0     # lossless: same greedy tokens
+
+
+def test_goodput_and_suffix_systems_select_their_policy_and_drafter():
+    job = {"model_dir": "/m", "max_batch": 1, "max_seq_len": 512}
+    suffix = specd_overrides(SYSTEMS["specd-suffix"], job)
+    assert {"drafter.kind=suffix", "spec.policy=goodput", "drafter.target_hidden=true"} <= set(suffix)
+    alone = specd_overrides(SYSTEMS["specd-suffix-only"], job)
+    assert "drafter.suffix_with_model=false" in alone and not SYSTEMS["specd-suffix-only"].needs_model_drafter
+    assert SYSTEMS["specd-suffix"].needs_model_drafter and SYSTEMS["specd-goodput"].policy == "goodput"
+
+
+def test_repetition_workload_follows_each_prompt_with_its_edited_copy(target_model_dir):
+    from bench.repetition import EDITED, repetition_prompts
+    from workers.models.loader import load_tokenizer
+
+    rows = repetition_prompts(4, load_tokenizer(target_model_dir))
+    assert [i >= EDITED for i, _ in rows] == [False, True, False, True]
+    for (i, original), (j, edited) in zip(rows[::2], rows[1::2], strict=True):
+        assert j == EDITED + i and original != edited
+        head = next(k for k, (a, b) in enumerate(zip(original, edited, strict=False)) if a != b)
+        tail = next(k for k, (a, b) in enumerate(zip(original[::-1], edited[::-1], strict=False)) if a != b)
+        assert head + tail > 0.9 * len(original)   # a small edit: the rest of the prompt is unchanged
+    assert resolve_plan(parse(["--workloads", "repeat"])).workloads == ["repeat"]

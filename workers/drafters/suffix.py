@@ -104,6 +104,13 @@ class SuffixDrafter(Drafter):
         return {"sources": {s: dict(c) for s, c in self.counts.items()},
                 "global_nodes": self.global_index.num_nodes, "indexed_requests": len(self.indexed)}
 
+    def clear_index(self) -> None:
+        """Forget all served traffic (the global index) and the source counts; running requests keep
+        their own indexes. Benchmarks call it between cells that replay the same prompts."""
+        self.global_index = SuffixIndex(self.max_depth)
+        self.indexed.clear()
+        self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
+
     # ---- request life cycle ---------------------------------------------------------------------
     def add_request(self, request_id, prompt_tokens, seed=None, hidden=None) -> None:
         if request_id in self.requests:
