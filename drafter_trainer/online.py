@@ -116,28 +116,38 @@ class OnlineTrainer:
     def poll(self, block_ms: int = 1000, count: int = 64) -> int:
         """One round: read, monitor, label, maybe update. Returns the number of records read."""
         entries = self.source.read(count=count, block_ms=block_ms)
-        for entry_id, data in entries:
-            self._ingest(entry_id, data)
+        records = [(entry_id, self._decode(entry_id, data)) for entry_id, data in entries]
+        # Live acceptance first and the rollback check at once: labelling (a teacher forward per record)
+        # must not delay rolling back a collapsed version.
+        for _, record in records:
+            if record is not None:
+                for _, drafted, accepted, version in record_steps(record):
+                    self.monitor.observe(version, drafted, accepted)
         self._check_rollback()
+        for entry_id, record in records:
+            if record is not None:
+                self._ingest(entry_id, record)
         due = self._new >= self.cfg.update_every_records or (
-            self._new > 0 and time.monotonic() - self._last_update >= self.cfg.update_every_s)
+            self._new > 0 and time.monotonic() - self._last_update >= self.cfg.update_every_s
+        )
         if due and self.buffer:
             self.update()
         return len(entries)
 
-    def _ingest(self, entry_id: str, data: bytes) -> None:
+    def _decode(self, entry_id: str, data: bytes):
         self._unacked.append(entry_id)
         try:
             record = decode_record(data)
         except ReplayFormatError as exc:
             log.warning("trainer: skipping entry %s: %s", entry_id, exc)
             self.stats.records_skipped += 1
-            return
+            return None
         if record.target_checksum and record.target_checksum != self.target_checksum:
             self.stats.records_skipped += 1
-            return
-        for _, drafted, accepted, version in record_steps(record):
-            self.monitor.observe(version, drafted, accepted)
+            return None
+        return record
+
+    def _ingest(self, entry_id: str, record) -> None:
         example = make_example(entry_id, record, self.teacher, positions=self.cfg.positions,
                                accepted_weight=self.cfg.accepted_weight, need_hidden=self.serving.hidden)
         self.stats.records_seen += 1
