@@ -74,15 +74,18 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
     return parts
 
 
-async def follow_trainer(parts: OnlineParts, model_dir: str) -> None:
+async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | None = None) -> None:
     """Once the trainer is up (it publishes the serving drafter as the store's first version when the
-    store is empty), point the DraftWorkers at its store. Runs beside serving, never before it."""
+    store is empty), point the DraftWorkers at its store. Runs beside serving, never before it.
+    version_pin (drafter.version_pin): serve that version of the store instead of its CURRENT."""
     if parts.trainer is None:
         return
     try:
         await parts.trainer.stats.remote()
         for d in parts.drafters:
             await d.watch_versions.remote(parts.store, str(model_dir), SWAP_POLL_S)
+            if version_pin:
+                await d.pin_version.remote(version_pin)
     except Exception:  # the trainer is optional: serving goes on with the drafter it has
         log.exception("online trainer failed to start; serving continues without it")
         parts.drafters = []

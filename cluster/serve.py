@@ -161,7 +161,8 @@ async def _bring_up(
         res.metrics_http, metrics_port = metrics.serve_http(cfg.server.metrics_port, cfg.server.host)
     res.tasks.append(asyncio.create_task(_poll_worker_stats(res.scheduler, metrics, res.online,
                                                             OnlineMetrics(metrics.registry))))
-    res.tasks.append(asyncio.create_task(follow_trainer(res.online, str(model_dir))))
+    res.tasks.append(asyncio.create_task(follow_trainer(res.online, str(model_dir),
+                                                                cfg.drafter.version_pin)))
 
     backend = Backend(
         scheduler=res.scheduler, codec=codec, bounds=Bounds.from_config(cfg, info), model=info["model"],

@@ -94,6 +94,7 @@ def start_trainer_actor(cfg, endpoint: RedisEndpoint):
 
     actor = ray.remote(TrainerActor).options(
         num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus, name=None, max_restarts=0,
+        resources=dict(cfg.trainer.resources),    # e.g. the Helm chart's trainer group: specd_trainer
     )
     return actor.remote(cfg, endpoint)
 

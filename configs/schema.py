@@ -219,6 +219,7 @@ class TrainerConfig:
     device: Device = Device.cpu         # cpu or cuda
     num_cpus: float = 1.0               # Ray CPUs of the trainer actor
     num_gpus: float = 0.0               # Ray GPUs of the trainer actor
+    resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
     nice: int = 10                      # CPU priority of the trainer (0 = as serving): serving comes first
     group: str = "specd-trainer"        # Redis consumer group: a restarted trainer resumes from it
     consumer: str = "trainer-0"         # Redis consumer name within the group

@@ -249,6 +249,9 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
     assert password_env["valueFrom"]["secretKeyRef"]["key"] == redis.get("password", {}).get(
         "key", "redis-password")
     assert cfg.trainer.enabled == ("trainer" in groups)
+    if "trainer" in groups:      # the trainer actor asks for what only the trainer pods advertise
+        advertised = json.loads(groups["trainer"]["rayStartParams"]["resources"])
+        assert cfg.trainer.resources == {k: float(v) for k, v in advertised.items()}
 
 
 @pytest.mark.parametrize("bad", [
