@@ -43,6 +43,7 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
     store = VersionStore(tmp_path / "store")
     start = worker.watch_versions(str(store.root), str(tiny_llama_dir), poll_s=3600)  # checks by hand
     swapper = worker._swapper
+    swapper.stop()               # no background checks racing the ones below (it checked an empty store)
     head_before = worker.drafter.runner.model.lm_head.weight.clone()
 
     good = _publish(store, token_dir, tiny_llama_dir)
@@ -84,6 +85,7 @@ def test_a_pinned_version_wins_over_current_until_unpinned(tmp_path, tiny_llama_
     store = VersionStore(tmp_path / "store")
     worker.watch_versions(str(store.root), str(tiny_llama_dir), poll_s=3600)   # checks by hand
     swapper = worker._swapper
+    swapper.stop()               # no background checks racing the ones below (it checked an empty store)
     first = _publish(store, token_dir, tiny_llama_dir)
     second = _publish(store, token_dir, tiny_llama_dir)
     store_current(store, second)
