@@ -40,7 +40,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Committed length per slot. Kept on the CPU whatever the device: the model plans every
         # forward (slices, masks) from these numbers in Python.
-        self.lengths = torch.zeros(num_slots, dtype=torch.long)
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device="cpu")
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._in_use = [False] * num_slots
 
@@ -78,11 +78,11 @@ class KVCache:
         accepted path's node indices (the root first). Entries before `start` stay as they are.
         """
         self._check_slot(slot)
-        keep = torch.as_tensor(keep, dtype=torch.long).flatten()
+        keep = torch.as_tensor(keep, dtype=torch.long, device="cpu").flatten()
         n = keep.numel()
         if n and (int(keep.min()) < 0 or start + int(keep.max()) >= self.max_seq_len):
             raise ValueError(f"compact indices {keep.tolist()} out of range for start {start}")
-        if n and not torch.equal(keep, torch.arange(n)):
+        if n and not torch.equal(keep, torch.arange(n, device=keep.device)):
             src = (start + keep).to(self.k.device)
             # index_select copies before the write, so overlapping source/destination is safe.
             self.k[:, slot, :, start : start + n] = self.k[:, slot].index_select(2, src)

@@ -95,8 +95,8 @@ def _chain_step(target_logits_fn, draft_logits_fn, probs_of, tokens, gamma, gene
     p = probs_of(target_logits_fn(tokens + drafts)[len(tokens) - 1 :])  # [gamma + 1, vocab]
     q = torch.stack(q_rows) if q_rows else p.new_zeros(0, p.shape[-1])  # [gamma, vocab]
     out = verify_chain(
-        draft_tokens=torch.tensor([drafts], dtype=torch.long).reshape(1, gamma),
-        num_drafts=torch.tensor([gamma]),
+        draft_tokens=torch.tensor([drafts], dtype=torch.long, device=p.device).reshape(1, gamma),
+        num_drafts=torch.tensor([gamma], device=p.device),
         draft_probs=q[None],
         target_probs=p[None],
         generators=[generator],
@@ -126,8 +126,9 @@ def _tree_step(target_logits_fn, draft_logits_fn, probs_of, tokens, gamma, width
     n = 1 + gamma * width
     node_tokens, parents = [tokens[-1]] + [0] * (n - 1), [-1] + [0] * (n - 1)
     vocab = q_root.shape[-1]
-    q_nodes = torch.zeros(n, vocab, dtype=q_root.dtype)  # [n, vocab] q each node was drafted from
-    p_nodes = torch.zeros(n, vocab, dtype=q_root.dtype)  # [n, vocab] target p after each node
+    like = dict(dtype=q_root.dtype, device=q_root.device)
+    q_nodes = torch.zeros(n, vocab, **like)  # [n, vocab] q each node was drafted from
+    p_nodes = torch.zeros(n, vocab, **like)  # [n, vocab] target p after each node
     for w, (path, q_path) in enumerate(branches):
         # One target call per branch scores the root and every node on it (the engine uses one tree
         # forward with TokenTree.attention_mask instead).

@@ -26,8 +26,10 @@ class TokenTree:
     _children: list[list[int]] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long)
-        self.parents = torch.as_tensor(self.parents, dtype=torch.long)
+        # A tree's structure is host-side bookkeeping (lists in, .tolist() out); tensors given keep
+        # their device.
+        self.tokens = torch.as_tensor(self.tokens, dtype=torch.long, device=_device_of(self.tokens))
+        self.parents = torch.as_tensor(self.parents, dtype=torch.long, device=_device_of(self.parents))
         n = self.tokens.shape[0]
         if self.tokens.dim() != 1 or n == 0 or self.parents.shape != (n,):
             raise ValueError(
@@ -55,11 +57,11 @@ class TokenTree:
         depth = [0] * len(self)
         for i, parent in enumerate(self.parents.tolist()[1:], start=1):
             depth[i] = depth[parent] + 1
-        return torch.tensor(depth, dtype=torch.long)
+        return torch.tensor(depth, dtype=torch.long, device=self.tokens.device)
 
     def attention_mask(self) -> torch.Tensor:  # [n, n] bool, [i, j] = j is i or an ancestor of i
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask = torch.zeros(n, n, dtype=torch.bool, device=self.tokens.device)
         mask[0, 0] = True
         for i, parent in enumerate(self.parents.tolist()[1:], start=1):
             mask[i] = mask[parent]
@@ -128,14 +130,19 @@ class TokenTree:
         return node
 
 
+def _device_of(data) -> torch.device:
+    return data.device if isinstance(data, torch.Tensor) else torch.device("cpu")
+
+
 def pad_trees(trees: list[TokenTree]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trees of different sizes as padded tensors for batched verification:
     tokens [batch, n_max] (pad 0), parents [batch, n_max] (pad -1), num_nodes [batch]."""
     n_max = max(len(t) for t in trees)
-    tokens = torch.zeros(len(trees), n_max, dtype=torch.long)
-    parents = torch.full((len(trees), n_max), -1, dtype=torch.long)
+    device = trees[0].tokens.device
+    tokens = torch.zeros(len(trees), n_max, dtype=torch.long, device=device)
+    parents = torch.full((len(trees), n_max), -1, dtype=torch.long, device=device)
     for b, tree in enumerate(trees):
         tokens[b, : len(tree)] = tree.tokens
         parents[b, : len(tree)] = tree.parents
-    num_nodes = torch.tensor([len(t) for t in trees], dtype=torch.long)
+    num_nodes = torch.tensor([len(t) for t in trees], dtype=torch.long, device=device)
     return tokens, parents, num_nodes

@@ -64,12 +64,13 @@ class HybridDrafter(Drafter):
         if all(p.is_greedy for p in params) or not any(tokens):
             return None
         gmax = max(len(t) for t in tokens)
-        out = torch.zeros(len(tokens), gmax, self.model.full_vocab_size)
+        out = torch.zeros(len(tokens), gmax, self.model.full_vocab_size, device=self.model.runner.device)
         for i, toks in enumerate(tokens):
             if not toks:
                 continue
             if copied[i] or params[i].is_greedy or model_probs is None:
-                out[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
+                at = torch.arange(len(toks), device=out.device)
+                out[i, at, torch.tensor(toks, device=out.device)] = 1.0
             else:
                 out[i, : len(toks)] = model_probs[i, : len(toks)]
         return out

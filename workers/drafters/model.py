@@ -207,8 +207,8 @@ class ModelDrafter(Drafter):
                     staleness=[[len(tokens[i])] * len(inputs[i]) for i in active],
                 )
             logits = self.runner.extend([seqs[i].slot for i in active], [inputs[i] for i in active], **extra)
-            last = torch.tensor([len(inputs[i]) - 1 for i in active])
-            logits = logits[torch.arange(len(active)), last]                    # [b, V']
+            last = torch.tensor([len(inputs[i]) - 1 for i in active], device=logits.device)
+            logits = logits[torch.arange(len(active), device=logits.device), last]  # [b, V']
             q = self._q(logits, [params[i] for i in active])                    # [b, V']
             picked = sample(q, [seqs[i].generator for i in active])             # [b]
             ids = self._to_target_ids(picked)
@@ -237,12 +237,13 @@ class ModelDrafter(Drafter):
         if all(p.is_greedy for p in params) or not any(tokens):
             return None
         gmax = max(len(t) for t in tokens)
-        out = torch.zeros(len(tokens), gmax, self.full_vocab_size)
+        out = torch.zeros(len(tokens), gmax, self.full_vocab_size, device=self.runner.device)
         for i, (toks, rows, p) in enumerate(zip(tokens, qs, params, strict=True)):
             if not toks:
                 continue
             if p.is_greedy:
-                out[i, torch.arange(len(toks)), torch.tensor(toks)] = 1.0
+                at = torch.arange(len(toks), device=out.device)
+                out[i, at, torch.tensor(toks, device=out.device)] = 1.0
             else:
                 out[i, : len(toks)] = self._full(torch.stack(rows))
         return out
@@ -341,7 +342,7 @@ class ModelDrafter(Drafter):
         probs = None
         if not all(p.is_greedy for p in params) and any(tokens):
             nmax = max(len(t) for t in tokens)
-            probs = torch.zeros(len(seqs), max(nmax, 1), self.full_vocab_size)
+            probs = torch.zeros(len(seqs), max(nmax, 1), self.full_vocab_size, device=self.runner.device)
             for i, (toks, rows) in enumerate(zip(tokens, probs_rows, strict=True)):
                 for n, (tok, qc) in enumerate(zip(toks, rows, strict=True)):
                     if qc is None:

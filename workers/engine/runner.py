@@ -158,7 +158,7 @@ class ModelRunner:
         n = max(counts)
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=self.device)  # [b, n]
         starts = self.cache.lengths[slots]  # [b]
-        positions = (starts[:, None] + torch.arange(n)).to(self.device)  # [b, n]
+        positions = (starts[:, None] + torch.arange(n, device=starts.device)).to(self.device)  # [b, n]
         feats = stale = None
         if features is not None:
             feats, stale = self._feature_inputs(features, staleness, counts, n)
@@ -166,7 +166,7 @@ class ModelRunner:
             ids, positions, slots, self.cache, logit_index=logit_index, full_vocab=self.full_vocab,
             features=feats, staleness=stale, return_hidden=return_hidden,
         )
-        self.cache.lengths[slots] = starts + torch.tensor(counts)
+        self.cache.lengths[slots] = starts + torch.tensor(counts, device=starts.device)
         return out
 
     def _fitting_groups(self, slots: list[int], counts: list[int]) -> list[list[int]] | None:
@@ -206,14 +206,16 @@ class ModelRunner:
     def _feature_inputs(self, features, staleness, counts, n):
         """Right-padded [b, n, hidden] features and [b, n] staleness (0 = fresh) on the device."""
         width = self.model.cfg.hidden_size
-        feats = torch.zeros(len(counts), n, width, dtype=self.model.embed_tokens.dtype)
-        stale = torch.zeros(len(counts), n, dtype=torch.long)
+        # Assembled where the features arrive (the CPU, from another worker), then moved once.
+        host = features[0].device
+        feats = torch.zeros(len(counts), n, width, dtype=self.model.embed_tokens.dtype, device=host)
+        stale = torch.zeros(len(counts), n, dtype=torch.long, device=host)
         for i, c in enumerate(counts):
             if features[i].shape != (c, width):
                 raise ValueError(f"row {i}: features {tuple(features[i].shape)} != ({c}, {width})")
             feats[i, :c] = features[i]
             if staleness is not None:
-                stale[i, :c] = torch.as_tensor(staleness[i], dtype=torch.long)
+                stale[i, :c] = torch.as_tensor(staleness[i], dtype=torch.long, device=host)
         return feats.to(self.device), stale.to(self.device)
 
     @torch.inference_mode()
@@ -262,12 +264,15 @@ class ModelRunner:
             return self._merge_rows(groups, [part(g) for g in groups], len(slots), return_hidden)
         n = max(sizes)
         b = len(slots)
-        ids = torch.zeros(b, n, dtype=torch.long)
-        depth = torch.zeros(b, n, dtype=torch.long)
-        mask = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)  # [b, n, n]; padding sees only itself
+        # The tree layout is planned on the host from Python lists, then moved to the device once.
+        host = torch.device("cpu")
+        ids = torch.zeros(b, n, dtype=torch.long, device=host)
+        depth = torch.zeros(b, n, dtype=torch.long, device=host)
+        # [b, n, n]; padding sees only itself
+        mask = torch.eye(n, dtype=torch.bool, device=host).repeat(b, 1, 1)
         for row, (tokens, parents) in enumerate(zip(trees_tokens, trees_parents, strict=True)):
-            parents = torch.as_tensor(parents, dtype=torch.long).tolist()
-            ids[row, : len(parents)] = torch.as_tensor(tokens, dtype=torch.long)
+            parents = torch.as_tensor(parents, dtype=torch.long, device=host).tolist()
+            ids[row, : len(parents)] = torch.as_tensor(tokens, dtype=torch.long, device=host)
             for i, parent in enumerate(parents):
                 if i == 0:
                     if parent != -1:
@@ -293,7 +298,7 @@ class ModelRunner:
             staleness=stale,
             return_hidden=return_hidden,
         )
-        self.cache.lengths[slots] = starts + torch.tensor(sizes)
+        self.cache.lengths[slots] = starts + torch.tensor(sizes, device=starts.device)
         return logits
 
     # ---- cache edits ------------------------------------------------------------------------

@@ -200,10 +200,10 @@ class TargetWorker:
             logits = self.runner.extend(slots, inputs)                   # [b, γmax+1, vocab]
         p = self._probs(logits, [r.sampling for r in runs])              # [b, γmax+1, vocab]
         gamma_max = p.shape[1] - 1
-        num_drafts = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
-        draft_tokens = torch.zeros(len(drafts), gamma_max, dtype=torch.long)  # [b, γmax]
-        for i, d in enumerate(drafts):
-            draft_tokens[i, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+        # Built from Python lists in one host-to-device copy each, on the device verification runs on.
+        num_drafts = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=p.device)
+        padded = [list(d.tokens) + [0] * (gamma_max - len(d.tokens)) for d in drafts]
+        draft_tokens = torch.tensor(padded, dtype=torch.long, device=p.device).view(len(drafts), gamma_max)
         q = self._stack_q(drafts, gamma_max, p.shape[-1], draft_tokens, p.device)
         out = verify_chain(draft_tokens, num_drafts, q, p, [r.generator for r in runs])
         results = []
@@ -232,7 +232,7 @@ class TargetWorker:
             if n == 0:
                 continue
             if d.probs is None:
-                q[i, torch.arange(n), draft_tokens[i, :n]] = 1.0
+                q[i, torch.arange(n, device=device), draft_tokens[i, :n]] = 1.0
             else:
                 q[i, :n] = d.probs.to(device=device, dtype=torch.float32)
         return q
@@ -241,15 +241,16 @@ class TargetWorker:
         run = self.running[draft.request_id]
         start = self.runner.length(run.slot)
         draft = _fit_tree(draft, self.runner.max_seq_len - start - 1)
-        tokens = torch.tensor([run.pending, *draft.tokens], dtype=torch.long)     # [n]
-        parents = torch.tensor([-1, *draft.parents[1:]], dtype=torch.long)        # [n]
+        # The tree's structure lives on the host (the runner plans the forward from it)
+        tokens = torch.tensor([run.pending, *draft.tokens], dtype=torch.long, device="cpu")     # [n]
+        parents = torch.tensor([-1, *draft.parents[1:]], dtype=torch.long, device="cpu")        # [n]
         tree = TokenTree(tokens=tokens, parents=parents)
         # logits [n, vocab], hidden [n, H]
         logits, hidden = self.runner.extend_tree(run.slot, tokens, parents, return_hidden=True)
         p = self._probs(logits[None], [run.sampling])[0]                         # [n, vocab]
         q = None
         if draft.probs is not None:
-            q = torch.cat([torch.zeros(1, p.shape[-1]), draft.probs.float()], dim=0)  # [n, vocab]
+            q = torch.cat([p.new_zeros(1, p.shape[-1]), draft.probs.to(p.device, torch.float32)])  # [n, V]
         out = verify_tree(tree, q, p, run.generator)
         self.runner.keep_tree_path(run.slot, start, [0, *out.accepted_nodes])
         run.pending = out.output_tokens[-1]

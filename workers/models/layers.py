@@ -76,14 +76,17 @@ def interleave_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     pair adjacent so RoPE is a complex multiply. The cache holds keys in this layout too.
     """
     d = w.shape[0] // num_heads
-    perm = torch.stack((torch.arange(d // 2), torch.arange(d // 2, d)), dim=-1).flatten()  # [d]
+    half = d // 2
+    first, second = torch.arange(half, device=w.device), torch.arange(half, d, device=w.device)
+    perm = torch.stack((first, second), dim=-1).flatten()  # [d]
     return w.view(num_heads, d, -1)[:, perm].reshape(w.shape)
 
 
-def rope_table(head_dim: int, theta: float, max_pos: int) -> torch.Tensor:
+def rope_table(head_dim: int, theta: float, max_pos: int, device=None) -> torch.Tensor:
     """[max_pos, head_dim // 2] complex64: e^{i * pos * theta^(-2j/d)}, the HF default frequencies."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    device = torch.device("cpu") if device is None else device
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64, device=device), inv_freq)
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 

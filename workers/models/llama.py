@@ -60,7 +60,8 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens  # one tensor: loading the embedding sets the head
         if draft_vocab_size is not None:
             # Reduced head: row r scores target token draft_vocab_ids[r].
-            self.register_buffer(DRAFT_VOCAB_IDS, torch.zeros(draft_vocab_size, dtype=torch.long))
+            ids = torch.zeros(draft_vocab_size, dtype=torch.long, device=self.embed_tokens.device)
+            self.register_buffer(DRAFT_VOCAB_IDS, ids)
         else:
             self.draft_vocab_ids = None
         self.feature_proj: Linear | None = None
@@ -70,7 +71,8 @@ class Llama(nn.Module):
             self.feature_staleness = nn.Parameter(torch.empty(feature_staleness, cfg.hidden_size))
         max_pos = max_seq_len or cfg.max_position_embeddings
         # A plain attribute, not a buffer: Module.to(dtype) would cast a complex buffer to real.
-        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, max_pos)  # [max_pos, d/2] complex64
+        device = self.embed_tokens.device
+        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, max_pos, device)  # [max_pos, d/2] complex64
         self.packed = "none"
 
     @property
