@@ -83,20 +83,44 @@ def _bundle(num_cpus: float, num_gpus: float, resources: dict | None = None) -> 
     return bundle or {"CPU": _MIN_CPU}
 
 
-def placement_bundles(cfg: SpecdConfig) -> list[dict[str, float]]:
+def gpu_shares(cfg: SpecdConfig, node_gpus: int) -> tuple[float, float]:
+    """Ray GPUs for (target, drafter) of one replica on a node with `node_gpus` GPUs.
+
+    A num_gpus set in config wins. A worker on device cuda with num_gpus 0 is placed automatically:
+    with two or more GPUs per node the drafter gets its own (1 each, so drafting and verifying run on
+    different devices); with one, target and drafter share it (0.5 each; Ray then gives both actors
+    the same CUDA_VISIBLE_DEVICES). A CPU worker asks for no GPU.
+    """
+    on_gpu = [cfg.target.device.startswith("cuda"), cfg.drafter.device.startswith("cuda")]
+    asked = [cfg.target.num_gpus, cfg.drafter.num_gpus]
+    auto = [gpu and n == 0 for gpu, n in zip(on_gpu, asked, strict=True)]
+    share = 1.0 if node_gpus >= 2 or not all(on_gpu) else 0.5
+    target, drafter = (share if a else float(n) for a, n in zip(auto, asked, strict=True))
+    return target, drafter
+
+
+def node_gpu_count() -> int:
+    """GPUs of the largest node of the connected Ray cluster (0 without GPUs)."""
+    import ray
+
+    return int(max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0))
+
+
+def placement_bundles(cfg: SpecdConfig, node_gpus: int = 0) -> list[dict[str, float]]:
     """Bundle 2i is replica i's target, bundle 2i+1 its drafter."""
+    target_gpus, drafter_gpus = gpu_shares(cfg, node_gpus)
     out = []
     for _ in range(cfg.target.replicas):
-        out.append(_bundle(cfg.target.num_cpus, cfg.target.num_gpus, cfg.target.resources))
-        out.append(_bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus, cfg.drafter.resources))
+        out.append(_bundle(cfg.target.num_cpus, target_gpus, cfg.target.resources))
+        out.append(_bundle(cfg.drafter.num_cpus, drafter_gpus, cfg.drafter.resources))
     return out
 
 
-def create_placement_group(cfg: SpecdConfig, name: str = ""):
+def create_placement_group(cfg: SpecdConfig, name: str = "", node_gpus: int = 0):
     """PACK keeps a replica's pair on one node when it fits (the draft/verify round trip stays local)."""
     from ray.util.placement_group import placement_group
 
-    return placement_group(placement_bundles(cfg), strategy="PACK", name=name)
+    return placement_group(placement_bundles(cfg, node_gpus), strategy="PACK", name=name)
 
 
 def _options(bundle: dict[str, float], pg, index: int, name: str) -> dict[str, Any]:
@@ -114,13 +138,17 @@ def _options(bundle: dict[str, float], pg, index: int, name: str) -> dict[str, A
     }
 
 
-def target_actor_options(cfg: SpecdConfig, pg, replica: int, tag: str = "") -> dict[str, Any]:
-    bundle = _bundle(cfg.target.num_cpus, cfg.target.num_gpus, cfg.target.resources)
+def target_actor_options(
+    cfg: SpecdConfig, pg, replica: int, tag: str = "", node_gpus: int = 0
+) -> dict[str, Any]:
+    bundle = _bundle(cfg.target.num_cpus, gpu_shares(cfg, node_gpus)[0], cfg.target.resources)
     return _options(bundle, pg, 2 * replica, f"specd-target-{replica}{tag}")
 
 
-def drafter_actor_options(cfg: SpecdConfig, pg, replica: int, tag: str = "") -> dict[str, Any]:
-    bundle = _bundle(cfg.drafter.num_cpus, cfg.drafter.num_gpus, cfg.drafter.resources)
+def drafter_actor_options(
+    cfg: SpecdConfig, pg, replica: int, tag: str = "", node_gpus: int = 0
+) -> dict[str, Any]:
+    bundle = _bundle(cfg.drafter.num_cpus, gpu_shares(cfg, node_gpus)[1], cfg.drafter.resources)
     return _options(bundle, pg, 2 * replica + 1, f"specd-drafter-{replica}{tag}")
 
 
@@ -157,14 +185,15 @@ def create_cluster(
     target_remote = ray.remote(target_cls)
     drafter_remote = ray.remote(drafter_cls)
     tag = f"-{uuid.uuid4().hex[:6]}"        # several servers may share one Ray namespace (tests)
-    pg = create_placement_group(cfg, name=f"specd{tag}")
+    gpus = node_gpu_count()
+    pg = create_placement_group(cfg, name=f"specd{tag}", node_gpus=gpus)
     replicas = []
     for i in range(cfg.target.replicas):
         # Each replica gets its own seed so replicas do not draw identical random streams.
-        target = target_remote.options(**target_actor_options(cfg, pg, i, tag)).remote(
+        target = target_remote.options(**target_actor_options(cfg, pg, i, tag, gpus)).remote(
             cfg.target, cfg.seed + 2 * i, cfg.cache_dir
         )
-        drafter = drafter_remote.options(**drafter_actor_options(cfg, pg, i, tag)).remote(
+        drafter = drafter_remote.options(**drafter_actor_options(cfg, pg, i, tag, gpus)).remote(
             cfg.drafter, cfg.spec, str(model_dir), cfg.seed + 2 * i + 1, cfg.cache_dir
         )
         replicas.append(ReplicaActors(i, target, drafter))

@@ -32,6 +32,37 @@ def test_bundles_give_target_and_drafter_their_own_devices() -> None:
     assert actors.placement_bundles(cpu_only)[1] == {"CPU": actors._MIN_CPU}
 
 
+@pytest.mark.parametrize(
+    "node_gpus,expected",
+    [(2, (1.0, 1.0)), (4, (1.0, 1.0)), (1, (0.5, 0.5))],
+    ids=["own-gpu", "own-gpu-4", "shared"],
+)
+def test_gpu_workers_get_their_own_gpu_or_share_one(node_gpus, expected) -> None:
+    cfg = config(replicas=2, device="cuda")
+    cfg.drafter.device = "cuda"
+    assert actors.gpu_shares(cfg, node_gpus) == expected
+    target, drafter = expected
+    pair = [{"CPU": 1.0, "GPU": target}, {"CPU": 1.0, "GPU": drafter}]
+    assert actors.placement_bundles(cfg, node_gpus) == pair * 2
+    pytest.importorskip("ray")
+    for replica in (0, 1):
+        t = actors.target_actor_options(cfg, None, replica, node_gpus=node_gpus)
+        d = actors.drafter_actor_options(cfg, None, replica, node_gpus=node_gpus)
+        assert (t["num_gpus"], d["num_gpus"]) == expected
+        assert t["scheduling_strategy"].placement_group_bundle_index == 2 * replica
+        assert d["scheduling_strategy"].placement_group_bundle_index == 2 * replica + 1
+
+
+def test_gpu_shares_keep_configured_values_and_cpu_workers() -> None:
+    cfg = config(device="cuda")
+    # a CPU drafter beside a GPU target: the whole GPU is the target's
+    assert actors.gpu_shares(cfg, 1) == (1.0, 0.0)
+    cfg.drafter.device = "cuda"
+    cfg.drafter.num_gpus = 0.25
+    assert actors.gpu_shares(cfg, 1) == (0.5, 0.25)  # configured values win, the rest is placed
+    assert actors.gpu_shares(config(), 8) == (0.0, 0.0)  # CPU workers ask for no GPU on a GPU node
+
+
 def test_ray_init_starts_a_local_cluster_or_connects() -> None:
     local = actors.ray_init_kwargs(config(replicas=2))
     assert local["num_cpus"] >= 5 and local["include_dashboard"] is False and "address" not in local
