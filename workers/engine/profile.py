@@ -97,10 +97,11 @@ def _drafter_level_seconds(drafter, b: int, prompt_len: int, repeats: int) -> fl
         # propose, then reject everything: the drafter rolls back and takes one target token
         drafter.propose(ids, [depth] * b, params)
         for rid in ids:
-            drafter.commit(rid, 0, [5], **({"hidden": torch.zeros(1, hidden_size)} if hidden else {}))
+            extra = {"hidden": torch.zeros(1, hidden_size, device="cpu")} if hidden else {}
+            drafter.commit(rid, 0, [5], **extra)
 
     for rid in ids:
-        extra = {"hidden": torch.zeros(prompt_len - 1, hidden_size)} if hidden else {}
+        extra = {"hidden": torch.zeros(prompt_len - 1, hidden_size, device="cpu")} if hidden else {}
         drafter.add_request(rid, prompt, seed=0, **extra)
     try:
         one = _timed(lambda: step(1), repeats)
