@@ -193,6 +193,16 @@ def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> 
     return str(hidden)
 
 
+def wait_for_trainer(store: Path, timeout_s: float = 600) -> None:
+    """The trainer publishes the starting drafter into its store once it is up: start the stream then,
+    so that its start-up (loading the target) is not counted against the trainer-on throughput."""
+    deadline = time.monotonic() + timeout_s
+    while not (store / "CURRENT").is_file():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the trainer did not come up within {timeout_s:.0f} s (no {store}/CURRENT)")
+        time.sleep(1.0)
+
+
 def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Path:
     import matplotlib
 
@@ -255,6 +265,8 @@ def run_bench(args: argparse.Namespace) -> int:
             work / f"server-{mode}.log",
         )
         try:
+            if mode == "on":
+                wait_for_trainer(store)
             runs[mode] = asyncio.run(
                 run_stream(server.address, prompts, args.clients, args.max_new_tokens, f"trainer {mode}")
             )
