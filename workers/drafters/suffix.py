@@ -3,9 +3,12 @@ model drafter.
 
 Two kinds of suffix index (workers/drafters/suffix_index.py):
 - a global one over the prompts and outputs this drafter has served, built from traffic: a request is
-  indexed when it finishes (remove_request), so the next request that repeats it (an edited prompt, a
-  conversation quoting an earlier turn) drafts from it. Memory is bounded by `max_nodes` trie nodes:
-  past the cap the least recently indexed requests are removed (exactly: their counts are subtracted).
+  queued for indexing when it finishes (remove_request), so the next request that repeats it (an edited
+  prompt, a conversation quoting an earlier turn) drafts from it. Indexing costs O(len × max_depth)
+  python operations, tens of ms for a few hundred tokens here, so it is spread over the next steps:
+  each propose indexes at most `index_tokens_per_step` queued tokens first (flush() does the rest).
+  Memory is bounded by `max_nodes` trie nodes: past the cap the least recently indexed requests are
+  removed (exactly: their counts are subtracted).
 - one per running request over its own prompt and output, growing at every commit.
 
 Each step, per request: both indexes draft the most frequent continuation of their longest match (a chain,
@@ -23,7 +26,7 @@ verification stays exact for greedy and sampled requests. Request ids starting w
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +60,7 @@ class SuffixDrafter(Drafter):
         max_nodes: int = 1_000_000,
         model_cost: float = 0.1,
         model_prior: float = 0.6,
+        index_tokens_per_step: int = 256,
     ) -> None:
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
@@ -67,6 +71,8 @@ class SuffixDrafter(Drafter):
         self.uses_target_hidden = bool(model is not None and model.uses_target_hidden)
         self.global_index = SuffixIndex(max_depth)
         self.indexed: OrderedDict[int, list[int]] = OrderedDict()   # LRU of indexed requests
+        self.index_tokens_per_step = index_tokens_per_step
+        self._pending: deque[list] = deque()   # [tokens, position, walk state] of requests being indexed
         self._next_key = 0
         self.requests: dict[str, _Request] = {}
         self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
@@ -88,7 +94,7 @@ class SuffixDrafter(Drafter):
         return cls(
             model, max_depth=cfg.suffix_max_depth, max_match=cfg.suffix_max_match,
             min_match=cfg.suffix_min_match, min_prob=cfg.suffix_min_prob, max_nodes=cfg.suffix_max_nodes,
-            model_cost=cfg.suffix_model_cost,
+            model_cost=cfg.suffix_model_cost, index_tokens_per_step=cfg.suffix_index_tokens_per_step,
         )
 
     @property
@@ -102,13 +108,15 @@ class SuffixDrafter(Drafter):
         """Steps, drafted and accepted tokens by who drafted them (local, global = cross-request, model),
         and the global index's size."""
         return {"sources": {s: dict(c) for s, c in self.counts.items()},
-                "global_nodes": self.global_index.num_nodes, "indexed_requests": len(self.indexed)}
+                "global_nodes": self.global_index.num_nodes, "indexed_requests": len(self.indexed),
+                "pending_tokens": sum(len(job[0]) - job[1] for job in self._pending)}
 
     def clear_index(self) -> None:
         """Forget all served traffic (the global index) and the source counts; running requests keep
         their own indexes. Benchmarks call it between cells that replay the same prompts."""
         self.global_index = SuffixIndex(self.max_depth)
         self.indexed.clear()
+        self._pending.clear()
         self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
 
     # ---- request life cycle ---------------------------------------------------------------------
@@ -148,12 +156,30 @@ class SuffixDrafter(Drafter):
         req = self.requests.pop(request_id, None)
         if req is None or request_id.startswith(SCRATCH_PREFIX) or not req.tokens:
             return
-        self.global_index.add(req.tokens)
-        self.indexed[self._next_key] = req.tokens
-        self._next_key += 1
-        while self.global_index.num_nodes > self.max_nodes and self.indexed:
-            _, old = self.indexed.popitem(last=False)
-            self.global_index.remove(old)
+        self._pending.append([req.tokens, 0, None])
+
+    def flush(self) -> None:
+        """Index every finished request still queued."""
+        self._index_some(None)
+
+    def _index_some(self, budget: int | None) -> None:
+        """Index up to budget queued tokens (None: all), oldest request first; evict past the cap."""
+        while self._pending and (budget is None or budget > 0):
+            job = self._pending[0]
+            tokens, pos = job[0], job[1]
+            end = len(tokens) if budget is None else min(len(tokens), pos + budget)
+            job[2] = self.global_index.extend(tokens[pos:end], job[2])
+            job[1] = end
+            if budget is not None:
+                budget -= end - pos
+            if end < len(tokens):
+                return
+            self._pending.popleft()
+            self.indexed[self._next_key] = tokens
+            self._next_key += 1
+            while self.global_index.num_nodes > self.max_nodes and self.indexed:
+                _, old = self.indexed.popitem(last=False)
+                self.global_index.remove(old)
 
     # ---- drafting -------------------------------------------------------------------------------
     def _suffix(self, request_id: str, depth: int, width: int) -> tuple[SuffixDraft, str]:
@@ -191,6 +217,7 @@ class SuffixDrafter(Drafter):
 
     def propose(self, request_ids, gammas, params, policy=None, states=None) -> DraftProposal:
         check_batch(request_ids, gammas, params)
+        self._index_some(self.index_tokens_per_step)
         picks = self._choose(request_ids, gammas, 1)
         rows = [i for i, (_, src) in enumerate(picks) if src is None and gammas[i] > 0 and self.model]
         tokens = [list(d.tokens) if src else [] for d, src in picks]
@@ -214,6 +241,7 @@ class SuffixDrafter(Drafter):
 
     def propose_tree(self, request_ids, depths, widths, params, policy=None, states=None) -> DraftTree:
         check_batch(request_ids, depths, params)
+        self._index_some(self.index_tokens_per_step)
         picks = self._choose(request_ids, depths, list(widths))
         rows = [i for i, (_, src) in enumerate(picks) if src is None and depths[i] > 0 and self.model]
         tokens = [list(d.tokens) if src else [] for d, src in picks]

@@ -87,6 +87,7 @@ def test_memory_bound_holds_with_lru_eviction() -> None:
         drafter.add_request(f"r{i}", [rng.randrange(50) for _ in range(40)])
         drafter.commit(f"r{i}", 0, [rng.randrange(50) for _ in range(20)])
         drafter.remove_request(f"r{i}")
+        drafter.flush()
         sizes.append(drafter.global_index.num_nodes)
     assert max(sizes) <= 2000
     assert 0 < drafter.stats()["indexed_requests"] < 60
@@ -118,6 +119,7 @@ def test_own_context_matches_and_scratch_requests_are_not_learned() -> None:
     assert drafter.stats()["sources"]["local"]["steps"] == 1
     drafter.add_request(f"{SCRATCH_PREFIX}x", [5, 6, 7, 8])
     drafter.remove_request(f"{SCRATCH_PREFIX}x")
+    drafter.flush()
     assert drafter.stats()["indexed_requests"] == 0
 
 
@@ -138,7 +140,21 @@ def test_deterministic() -> None:
         for i in range(5):
             drafter.add_request(f"r{i}", [rng.randrange(6) for _ in range(30)])
             drafter.remove_request(f"r{i}")
+        drafter.flush()
         drafter.add_request("q", [rng.randrange(6) for _ in range(10)])
         return drafter.propose_tree(["q"], [4], [3], [GREEDY]).tokens
 
     assert run() == run()
+
+
+def test_indexing_is_spread_over_steps() -> None:
+    drafter = SuffixDrafter(index_tokens_per_step=4)
+    drafter.add_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    drafter.remove_request("a")
+    drafter.add_request("b", [7, 1, 2])
+    assert drafter.stats()["pending_tokens"] == 10
+    assert drafter.propose(["b"], [3], [GREEDY]).tokens == [[3, 4]]   # only 1..4 indexed so far
+    for _ in range(2):
+        drafter.propose(["b"], [0], [GREEDY])
+    assert drafter.stats()["pending_tokens"] == 0 and drafter.stats()["indexed_requests"] == 1
+    assert drafter.propose(["b"], [3], [GREEDY]).tokens == [[3, 4, 5]]
