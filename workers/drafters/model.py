@@ -27,11 +27,10 @@ import torch
 from workers.core.sampling import SEED_RANGE, logits_to_probs, make_generator, params_to_tensors, sample
 from workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
 from workers.drafters.registry import register_drafter
-from workers.engine.runner import ModelRunner
+from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
 from workers.models.loader import default_cache_dir
 
 META_FILE = "specd_drafter.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_drafter_dir(cache_dir: str | Path | None = None, target_hidden: bool = False) -> Path:
@@ -82,11 +81,12 @@ class ModelDrafter(Drafter):
         seed: int = 0,
         num_threads: int | None = None,
         pack: str = "onednn",
+        decode: str = "eager",
     ):
         self.path = Path(path)
         self.runner = ModelRunner(
             self.path, device=device, dtype=dtype, max_slots=max_slots, max_seq_len=max_seq_len,
-            num_threads=num_threads, full_vocab=False, pack_weights=pack,
+            num_threads=num_threads, full_vocab=False, pack_weights=pack, decode=decode,
         )
         self.full_vocab_size = self.runner.model.cfg.vocab_size
         self.vocab_ids = self.runner.vocab_ids          # [V_sub] target ids, or None for a full head
@@ -103,12 +103,13 @@ class ModelDrafter(Drafter):
         return cls(
             resolve_drafter_dir(cfg.path, cache_dir, getattr(cfg, "target_hidden", False)),
             device=cfg.device,
-            dtype=DTYPES[cfg.dtype],
+            dtype=resolve_dtype(cfg.dtype, cfg.device),
             max_slots=cfg.max_slots,
             # None when the config did not go through configs.load_config: target.max_seq_len's default.
             max_seq_len=getattr(cfg, "max_seq_len", None) or 2048,
             seed=seed,
             pack=getattr(cfg, "pack", "onednn"),
+            decode=resolve_decode(getattr(cfg, "decode", "auto"), cfg.device),
         )
 
     def max_slots(self) -> int:

@@ -12,7 +12,28 @@ from pathlib import Path
 import torch
 
 from workers.core.kv_cache import CacheFullError, KVCache
+from workers.engine.static_decode import StaticDecoder
 from workers.models.llama import Llama, iter_safetensors, safetensors_files
+
+DECODE_MODES = ("eager", "static", "graph")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """A config dtype; "auto" is bfloat16 on CUDA (half the bytes of each weight read) and float32
+    elsewhere (measured faster than bfloat16 for the target on this project's CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)} or auto")
+    return DTYPES[name]
+
+
+def resolve_decode(name: str, device: str | torch.device) -> str:
+    """A config decode mode; "auto" captures CUDA graphs on CUDA and keeps the eager path elsewhere."""
+    if name == "auto":
+        return "graph" if torch.device(device).type == "cuda" else "eager"
+    return name
 
 
 class ModelRunner:
@@ -28,6 +49,7 @@ class ModelRunner:
         prefill_chunk: int = 512,
         full_vocab: bool = True,
         pack_weights: bool | str = True,
+        decode: str = "eager",
     ):
         """prefill_chunk: prompt tokens per forward in `prefill` (bounds activation memory).
         full_vocab: for a reduced-vocabulary drafter, False returns [.., V_sub] logits in the
@@ -35,6 +57,10 @@ class ModelRunner:
         pack_weights: True / "onednn": oneDNN pre-packed matmul weights on CPU (measured 1.3-2x faster
         forwards here, at the price of a second copy of the matmul weights in memory); "int8":
         weight-only int8 (drafters only: it changes the outputs slightly); False / "none": plain.
+        decode: how decode forwards (extend, extend_trees; never prefill) run: "eager" (shapes as they
+        come, the CPU path), "static" (bucketed static shapes over the preallocated cache, run
+        eagerly: the GPU path's logic, testable anywhere) or "graph" (static, each bucket captured
+        as a CUDA graph on first use; CUDA only). See workers/engine/static_decode.py.
         compile: torch.compile the forward. Measured on SmolLM2 here: 4-7 minutes of compilation per
         graph and forwards 5x slower than eager with packed weights, so it is off by default.
         """
@@ -44,7 +70,11 @@ class ModelRunner:
         # Inductor cannot trace oneDNN's opaque packed weights: compile works on the plain ones.
         pack = "none" if compile else pack_weights
         self.model = Llama.from_pretrained(model_dir, self.device, dtype, max_seq_len=max_seq_len, pack=pack)
-        self.cache: KVCache = self.model.make_cache(max_slots, max_seq_len)
+        if decode not in DECODE_MODES:
+            raise ValueError(f"unknown decode mode {decode!r}; choose from {DECODE_MODES}")
+        static = decode != "eager"
+        self.cache: KVCache = self.model.make_cache(max_slots, max_seq_len, scratch_slot=static)
+        self.static = StaticDecoder(self.model, self.cache, capture=decode == "graph") if static else None
         self.prefill_chunk = prefill_chunk
         self.full_vocab = full_vocab or self.model.draft_vocab_ids is None
         self._forward = self.model.forward
@@ -156,8 +186,10 @@ class ModelRunner:
                 return self._extend(*pick, index, feats, stale, return_hidden)
             return self._merge_rows(groups, [part(g) for g in groups], len(slots), return_hidden)
         n = max(counts)
-        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=self.device)  # [b, n]
         starts = self.cache.lengths[slots]  # [b]
+        if self.static is not None and logit_index is None and self.static.handles(len(slots), n):
+            return self._extend_static(slots, tokens, counts, n, starts, features, staleness, return_hidden)
+        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=self.device)  # [b, n]
         positions = (starts[:, None] + torch.arange(n, device=starts.device)).to(self.device)  # [b, n]
         feats = stale = None
         if features is not None:
@@ -202,6 +234,21 @@ class ModelRunner:
                 full[rows, : p[k].shape[1]] = p[k]
             merged.append(full)
         return tuple(merged) if return_hidden else merged[0]
+
+    def _extend_static(self, slots, tokens, counts, n, starts, features, staleness, return_hidden):
+        """_extend through the static decoder: a causal chain per row."""
+        host = torch.device("cpu")
+        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=host)  # [b, n]
+        depth = torch.arange(n, device=host).repeat(len(slots), 1)  # [b, n]
+        causal = torch.ones(n, n, dtype=torch.bool, device=host).tril().repeat(len(slots), 1, 1)
+        feats = stale = None
+        if features is not None:
+            feats, stale = self._feature_inputs(features, staleness, counts, n)
+        logits, hidden = self.static.forward(
+            ids, depth, causal, list(slots), starts.tolist(), self.full_vocab, return_hidden, feats, stale
+        )
+        self.cache.lengths[slots] = starts + torch.tensor(counts, device=starts.device)
+        return (logits, hidden) if return_hidden else logits
 
     def _feature_inputs(self, features, staleness, counts, n):
         """Right-padded [b, n, hidden] features and [b, n] staleness (0 = fresh) on the device."""
@@ -283,6 +330,12 @@ class ModelRunner:
                 depth[row, i] = depth[row, parent] + 1
                 mask[row, i] |= mask[row, parent]  # ancestors of the parent, then self (eye)
         starts = self.cache.lengths[slots]  # [b]
+        if self.static is not None and self.static.handles(b, n):
+            logits, hidden = self.static.forward(
+                ids, depth, mask, list(slots), starts.tolist(), self.full_vocab, return_hidden
+            )
+            self.cache.lengths[slots] = starts + torch.tensor(sizes, device=starts.device)
+            return (logits, hidden) if return_hidden else logits
         positions = starts[:, None] + depth  # [b, n]
         feats = stale = None
         if features is not None:

@@ -29,11 +29,9 @@ from workers.core.tree import TokenTree
 from workers.core.verify_chain import verify_chain
 from workers.core.verify_tree import verify_tree
 from workers.engine.profile import profile_verify
-from workers.engine.runner import ModelRunner
+from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
 from workers.engine.types import Draft, NewRequest, VerifyResult
 from workers.models.loader import ensure_target_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -63,9 +61,10 @@ class TargetWorker:
         self.runner = ModelRunner(
             self.model_dir,
             device=self.device,
-            dtype=DTYPES[cfg.dtype],
+            dtype=resolve_dtype(cfg.dtype, self.device),
             max_slots=cfg.max_slots,
             max_seq_len=cfg.max_seq_len,
+            decode=resolve_decode(getattr(cfg, "decode", "auto"), self.device),
         )
         self.running: dict[str, _Running] = {}
         self._busy = 0.0

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from workers.core.stats import RequestStats
 from workers.drafters.model import read_drafter_version, resolve_drafter_dir
+from workers.engine.runner import resolve_dtype
 from workers.engine.sequence import Sequence
 from workers.engine.types import NewRequest, VerifyResult
 from workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
@@ -152,7 +153,7 @@ class VllmEngine:
             os.environ[ENV_SETTINGS] = str(settings.write(self._tmp / "proposer.json"))
         kwargs = dict(
             model=str(self.model_dir),
-            dtype=cfg.target.dtype,
+            dtype=str(resolve_dtype(cfg.target.dtype, cfg.target.device)).removeprefix("torch."),
             max_model_len=cfg.target.max_seq_len,
             max_num_seqs=self.max_running,
             seed=cfg.seed,

@@ -135,11 +135,7 @@ class Attention(nn.Module):
         plan: BatchPlan,
     ) -> torch.Tensor:
         b, n, _ = x.shape
-        qkv = self.wqkv(x)  # [b, n, q + 2 kv]
-        qk = apply_rope(qkv[..., : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim)), rope)
-        q = qk[:, :, : self.num_heads].transpose(1, 2)  # [b, heads, n, d]
-        k = qk[:, :, self.num_heads :].transpose(1, 2)  # [b, kv_heads, n, d]
-        v = qkv[..., self.q_size + self.kv_size :].unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        q, k, v = self.qkv(x, rope)
         cache.write_runs(layer, plan.slots, plan.starts, k, v)
         outs = []
         for first, end, kv_len in plan.runs:
@@ -148,6 +144,20 @@ class Attention(nn.Module):
             run_q = q[first:end]  # [rows, heads, n, d]
             outs.append(F.scaled_dot_product_attention(run_q, keys, values, run_mask, enable_gqa=True))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [b, heads, n, d]
+        return self.project(out)
+
+    def qkv(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, n, hidden] -> rotated q [b, heads, n, d], rotated k and v [b, kv_heads, n, d]."""
+        qkv = self.wqkv(x)  # [b, n, q + 2 kv]
+        qk = apply_rope(qkv[..., : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim)), rope)
+        q = qk[:, :, : self.num_heads].transpose(1, 2)  # [b, heads, n, d]
+        k = qk[:, :, self.num_heads :].transpose(1, 2)  # [b, kv_heads, n, d]
+        v = qkv[..., self.q_size + self.kv_size :].unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        return q, k, v
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [b, heads, n, d] -> [b, n, hidden]."""
+        b, _, n, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(b, n, self.q_size))
 
 

@@ -80,12 +80,12 @@ class Llama(nn.Module):
         """Number of logits the head computes (V_sub for a reduced-vocabulary drafter)."""
         return self.lm_head.weight.shape[0]
 
-    def make_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
+    def make_cache(self, num_slots: int, max_seq_len: int, scratch_slot: bool = False) -> KVCache:
         if max_seq_len > self.rope.shape[0]:
             raise ValueError(f"max_seq_len {max_seq_len} > the {self.rope.shape[0]} RoPE positions built")
         cfg, w = self.cfg, self.embed_tokens
         shape = (cfg.num_layers, num_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
-        return KVCache(*shape, w.dtype, w.device)
+        return KVCache(*shape, w.dtype, w.device, scratch_slot=scratch_slot)
 
     def pack_weights(self, mode: bool | str = True) -> None:
         """Pack every matmul weight (see layers.Linear.pack); re-packed after loads.
@@ -139,12 +139,7 @@ class Llama(nn.Module):
         mask = self._attention_mask(starts, n, max(starts) + n, attn_mask, input_ids.device)
 
         rope = self.rope[positions.to(self.rope.device)].unsqueeze(2)  # [b, n, 1, d/2] complex
-        x = F.embedding(input_ids, self.embed_tokens)  # [b, n, hidden]
-        if self.feature_proj is not None:
-            if features is None or staleness is None:
-                raise ValueError("this drafter reads target hidden states: pass features and staleness")
-            stale = staleness.clamp(max=self.feature_staleness.shape[0] - 1)
-            x = x + self.feature_proj(features.to(x.dtype)) + self.feature_staleness[stale]
+        x = self.embed(input_ids, features, staleness)  # [b, n, hidden]
         for layer, block in enumerate(self.layers):
             x = block(x, rope, mask, cache, layer, plan)
         if return_hidden:
@@ -156,6 +151,21 @@ class Llama(nn.Module):
         if logit_index is not None:
             x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, m, hidden]
         return self._head(self.norm(x), full_vocab)
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,  # [b, n]
+        features: torch.Tensor | None = None,  # [b, n, hidden]
+        staleness: torch.Tensor | None = None,  # [b, n]
+    ) -> torch.Tensor:  # [b, n, hidden]
+        """Token embeddings, plus the target-state terms of a feature drafter."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        if self.feature_proj is not None:
+            if features is None or staleness is None:
+                raise ValueError("this drafter reads target hidden states: pass features and staleness")
+            stale = staleness.clamp(max=self.feature_staleness.shape[0] - 1)
+            x = x + self.feature_proj(features.to(x.dtype)) + self.feature_staleness[stale]
+        return x
 
     def _head(self, x: torch.Tensor, full_vocab: bool) -> torch.Tensor:
         logits = self.lm_head(x)  # [b, m, head_size]

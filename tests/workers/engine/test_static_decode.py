@@ -1,0 +1,120 @@
+"""The GPU decode path (static shapes over the preallocated cache) run eagerly on the CPU: same tokens.
+
+The CUDA graph capture itself needs a GPU and is skipped here; everything it replays (padding to
+buckets, the scratch slot, cache writes and masks computed on the device) runs in these tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from configs import load_config
+from workers.core.sampling import SamplingParams
+from workers.engine.draft_worker import DraftWorker
+from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
+from workers.engine.spec_engine import SpecEngine
+from workers.engine.static_decode import bucket
+from workers.engine.target_worker import TargetWorker
+from workers.engine.types import NewRequest, SpecParams
+
+PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [11, 12]]
+
+
+def test_buckets_and_auto_settings() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert bucket(40, 32) == 32
+    assert resolve_decode("auto", "cpu") == "eager" and resolve_decode("auto", "cuda") == "graph"
+    assert resolve_dtype("auto", "cpu") == torch.float32 and resolve_dtype("auto", "cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float8", "cpu")
+
+
+def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_target_dir) -> None:
+    eager = ModelRunner(tiny_target_dir, max_slots=3, max_seq_len=64)
+    static = ModelRunner(tiny_target_dir, max_slots=3, max_seq_len=64, decode="static")
+    assert static.cache.scratch == 3 and static.cache.k.shape[1] == 4
+    outs = []
+    for runner in (eager, static):
+        slots = [runner.allocate() for _ in range(3)]
+        assert runner.num_free == 0
+        runner.prefill(slots, [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5]])
+        chain = runner.extend([slots[2], slots[0]], [[6, 7, 8], [3]])  # b=2, n=3: padded to 2 x 4
+        tree = runner.extend_trees([slots[1]], [[1, 2, 3, 4]], [[-1, 0, 0, 1]])
+        # a row reaching max_seq_len exactly: the bucket's padding must not write past it (positions
+        # 6..60 hold zeros in both caches)
+        runner.cache.lengths[slots[1]] = 61
+        last = runner.extend([slots[1]], [[4, 5, 6]])
+        outs.append((chain, tree, last, runner.cache.lengths[:3].clone()))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # one static bucket per (batch, tokens, attended length, outputs): the tree and the last chain share one
+    assert set(static.static.graphs) == {(2, 4, 64, True, False, False), (1, 4, 64, True, False, False)}
+
+
+def test_graph_mode_needs_cuda(tiny_target_dir) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: capture is exercised by test_cuda_graphs_match_eager")
+    with pytest.raises(ValueError, match="CUDA"):
+        ModelRunner(tiny_target_dir, max_slots=2, max_seq_len=64, decode="graph")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_cuda_graphs_match_eager(tiny_target_dir) -> None:
+    eager = ModelRunner(tiny_target_dir, "cuda", max_slots=2, max_seq_len=128)
+    graph = ModelRunner(tiny_target_dir, "cuda", max_slots=2, max_seq_len=128, decode="graph")
+    outs = []
+    for runner in (eager, graph):
+        slots = [runner.allocate() for _ in range(2)]
+        runner.prefill(slots, [[5, 6, 7], [8, 9]])
+        steps = [runner.extend(slots, [[1, 2], [3]]) for _ in range(3)]  # capture, then replays
+        outs.append(torch.stack(steps))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-3, atol=1e-3)
+
+
+def _config(tiny_target_dir, tiny_drafter_dir, decode: str):
+    return load_config([
+        f"target.model_path={tiny_target_dir}", f"drafter.path={tiny_drafter_dir}",
+        "target.max_slots=6", "drafter.max_slots=6", "target.max_seq_len=256",
+        f"target.decode={decode}", f"drafter.decode={decode}", "drafter.hybrid_min_match=2",
+    ])
+
+
+@pytest.fixture(scope="module")
+def static_workers(tiny_target_dir, tiny_drafter_dir):
+    cfg = _config(tiny_target_dir, tiny_drafter_dir, "static")
+    target = TargetWorker(cfg.target)
+    drafters = {}
+    for kind in ("model", "hybrid"):
+        cfg.drafter.kind = kind
+        drafters[kind] = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
+    return target, drafters
+
+
+@pytest.fixture(scope="module")
+def target_only_outputs(tiny_target_dir, tiny_drafter_dir):
+    """Greedy target-only decoding on the normal (eager) path: what every static run must reproduce."""
+    target = TargetWorker(_config(tiny_target_dir, tiny_drafter_dir, "eager").target)
+    return _generate(target, None, SpecParams(enabled=False))
+
+
+def _generate(target, drafter, spec):
+    reqs = [NewRequest(f"r{i}", p, SamplingParams(), 32, spec) for i, p in enumerate(PROMPTS)]
+    return [s.output for s in SpecEngine(target, drafter).generate(reqs, ignore_eos=True)]
+
+
+@pytest.mark.parametrize(
+    "kind,spec",
+    [
+        (None, SpecParams(enabled=False)),
+        ("model", SpecParams(gamma=4)),
+        ("model", SpecParams(gamma=3, tree_width=3)),
+        ("hybrid", SpecParams(gamma=5)),
+    ],
+    ids=["target-only", "chain", "tree", "hybrid"],
+)
+def test_static_engine_is_token_identical_to_eager(static_workers, target_only_outputs, kind, spec) -> None:
+    target, drafters = static_workers
+    outputs = _generate(target, drafters[kind] if kind else None, spec)
+    assert outputs == target_only_outputs
+    assert all(len(o) == 32 for o in outputs)
