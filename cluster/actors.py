@@ -5,48 +5,23 @@ read and tested without starting anything. Each actor asks for its own bundle: w
 and drafter.num_gpus=1 the drafter and the target get different GPUs, which is what lets the scheduler
 overlap drafting and verification across devices; with 0 GPUs (this machine) both are CPU actors.
 The worker classes are injected (default: the real ones), so tests can place fakes the same way.
-`WorkerHandle` gives the scheduler one async call for a Ray actor or an in-process worker; Ray itself
+The scheduler reaches the actors through the typed handles of workers/engine/handles.py; Ray itself
 is imported only inside the functions that need it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from configs.schema import SpecdConfig
 
 # A bundle must reserve something; an actor configured with no CPU and no GPU gets this sliver.
 _MIN_CPU = 0.01
-
-
-class WorkerHandle:
-    """The async face of one worker: a Ray actor handle, or an in-process object run on its own thread."""
-
-    def __init__(self, worker: Any, name: str = "worker"):
-        self.worker = worker
-        self.name = name
-        self.is_actor = hasattr(getattr(worker, "release", None), "remote")
-        # One thread per in-process worker: calls to it are serialised like an actor's, and the
-        # target and the drafter still run at the same time (torch releases the GIL).
-        self._executor = None if self.is_actor else ThreadPoolExecutor(1, thread_name_prefix=name)
-
-    async def call(self, method: str, *args: Any) -> Any:
-        fn = getattr(self.worker, method)
-        if self.is_actor:
-            return await fn.remote(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def ray_init_kwargs(cfg: SpecdConfig) -> dict[str, Any]:

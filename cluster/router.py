@@ -24,20 +24,10 @@ from grpc_reflection.v1alpha import reflection
 from cluster.admin import AdminServicer
 from cluster.auth import ServerSecurity
 from cluster.metrics import SpecdMetrics
-from cluster.scheduler import (
-    FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    QueueFull,
-    Scheduler,
-    ServedStats,
-    TokensEvent,
-)
+from cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
 from cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
 from proto.specd.v1 import serving_pb2, serving_pb2_grpc
-from workers.engine.types import NewRequest
+from workers.engine.types import FinishReason, NewRequest
 
 # worker_stats() also carries metrics-only keys (the goodput EMAs) that ServerInfo does not report
 _WORKER_FIELDS = frozenset(serving_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
@@ -47,10 +37,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Specd"].full_name   # "specd.v1.Specd"
 ADMIN_SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["SpecdAdmin"].full_name
 _FINISH = {
-    FINISH_LENGTH: serving_pb2.FINISH_REASON_LENGTH,
-    FINISH_EOS: serving_pb2.FINISH_REASON_EOS,
-    FINISH_STOP: serving_pb2.FINISH_REASON_STOP,
-    FINISH_CANCELLED: serving_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.LENGTH: serving_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: serving_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP: serving_pb2.FINISH_REASON_STOP,
+    FinishReason.CANCELLED: serving_pb2.FINISH_REASON_CANCELLED,
 }
 
 
@@ -175,15 +165,15 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
                     delta = text.push(event.tokens)
                     sent_tokens += len(event.tokens)
                     if text.stopped:
-                        b.scheduler.abort(rid, FINISH_STOP)
+                        b.scheduler.abort(rid, FinishReason.STOP)
                     yield serving_pb2.GenerateStreamResponse(
                         request_id=shown_id, delta=serving_pb2.Delta(token_ids=event.tokens, text=delta)
                     )
                     continue
                 finished = True
-                if event.reason == FINISH_ERROR:
+                if event.reason == FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event.error}")
-                reason = FINISH_STOP if text.stopped else event.reason
+                reason = FinishReason.STOP if text.stopped else event.reason
                 final = serving_pb2.Final(
                     finish_reason=_FINISH.get(reason, serving_pb2.FINISH_REASON_UNSPECIFIED),
                     usage=usage_proto(event.stats, sent_tokens),
@@ -192,7 +182,7 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
                 yield serving_pb2.GenerateStreamResponse(request_id=shown_id, final=final)
         finally:
             if not finished:      # client cancelled, deadline passed, or the stream was dropped
-                b.scheduler.abort(rid, FINISH_CANCELLED)
+                b.scheduler.abort(rid, FinishReason.CANCELLED)
 
     async def Generate(self, request, context):
         pieces: list[str] = []

@@ -1,11 +1,11 @@
 """Continuous batching with a two-stage draft/verify pipeline across devices.
 
 Each replica is a (TargetWorker, DraftWorker) pair. Its running requests are split into
-`pipeline_groups` groups, and every group runs its own loop of steps:
+`pipeline_groups` groups, and every group runs its own loop of the speculative step
+(workers/engine/step.py, the same code the in-process engine runs):
 
     start the group's newly admitted requests (target prefill, then drafter start)
-    propose(group)  on the drafter   -> drafts
-    verify(drafts)  on the target    -> accepted + recovered | bonus tokens, KV rolled back
+    step: propose on the drafter, verify on the target, apply to each request's Sequence
     emit tokens, retire finished and cancelled requests (release on both workers)
 
 A worker runs one call at a time (a Ray actor, or one thread in-process), so with two groups the
@@ -15,9 +15,9 @@ smallest) and leave it between steps. The previous step's verify result travels 
 DraftItem's commit fields, so the drafter rolls back to the verified prefix in the same call.
 
 Each request's stopping rules, γ cap, commit fields and step statistics live in
-workers.engine.sequence.Sequence, the same class the in-process engine uses, so the two cannot drift.
-No Ray or gRPC here: workers are reached through `WorkerHandle`, so tests drive the scheduler with
-in-process fakes and the server with Ray actor handles.
+workers.engine.sequence.Sequence. No Ray or gRPC here: workers are reached through the typed handles of
+workers/engine/handles.py, so tests drive the scheduler with in-process fakes (each on its own thread)
+and the server with Ray actor handles.
 """
 
 from __future__ import annotations
@@ -29,18 +29,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.actors import WorkerHandle
 from workers.core.stats import RequestStats
+from workers.engine.handles import DrafterHandle, TargetHandle
 from workers.engine.sequence import Sequence
-from workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
+from workers.engine.step import SpecStep, StepOutcome
+from workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
 
 log = logging.getLogger(__name__)
-
-FINISH_LENGTH = "length"
-FINISH_EOS = "eos"
-FINISH_STOP = "stop"
-FINISH_CANCELLED = "cancelled"
-FINISH_ERROR = "error"
 
 
 class QueueFull(RuntimeError):
@@ -80,7 +75,7 @@ class TokensEvent:
 
 @dataclass
 class FinishEvent:
-    reason: str
+    reason: FinishReason
     stats: ServedStats
     error: str = ""
 
@@ -91,8 +86,8 @@ class SchedulerObserver:
     def on_queue(self, waiting: int, running: int) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
     def on_step(self, replica: int, draft: Draft, result: VerifyResult, depth: int) -> None: ...
-    def on_finish(self, reason: str, stats: ServedStats) -> None: ...
-    def on_request_done(self, seq: Sequence, reason: str) -> None: ...
+    def on_finish(self, reason: FinishReason, stats: ServedStats) -> None: ...
+    def on_request_done(self, seq: Sequence, reason: FinishReason) -> None: ...
 
 
 @dataclass
@@ -135,16 +130,14 @@ class _Group:
     members: list[_Request] = field(default_factory=list)
     pending: list[_Request] = field(default_factory=list)   # admitted, started at the next step
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    # (tokens per row, seconds, emitted tokens) of the group's previous verify: the drafter's goodput
-    # controller follows measured step costs with it
-    last_verify: tuple | None = None
+    step: SpecStep | None = None                             # set when the scheduler starts
 
     def size(self) -> int:
         return len(self.members) + len(self.pending)
 
 
 class _Replica:
-    def __init__(self, index: int, target: WorkerHandle, drafter: WorkerHandle, capacity: int, groups: int):
+    def __init__(self, index: int, target: TargetHandle, drafter: DrafterHandle, capacity: int, groups: int):
         self.index = index
         self.target = target
         self.drafter = drafter
@@ -182,7 +175,13 @@ class Scheduler:
             raise ValueError(f"pipeline_groups must be >= 1, got {pipeline_groups}")
         caps = capacity if isinstance(capacity, list) else [capacity] * len(replicas)
         self.replicas = [
-            _Replica(i, _handle(t, f"target-{i}"), _handle(d, f"drafter-{i}"), caps[i], pipeline_groups)
+            _Replica(
+                i,
+                _as_handle(TargetHandle, t, f"target-{i}"),
+                _as_handle(DrafterHandle, d, f"drafter-{i}"),
+                caps[i],
+                pipeline_groups,
+            )
             for i, (t, d) in enumerate(replicas)
         ]
         self.max_queue = max_queue
@@ -203,12 +202,10 @@ class Scheduler:
     async def start(self) -> None:
         for rep in self.replicas:
             rep.busy_base = await self._busy_seconds(rep)
-            rep.hidden = bool(await rep.drafter.call("uses_target_hidden"))
-            # The goodput policy's cost model starts from a timed sweep of verify forwards on the target.
-            request = await rep.drafter.call("cost_profile_request")
-            if request is not None:
-                table = await rep.target.call("profile_verify", request["batch_sizes"], request["max_tokens"])
-                await rep.drafter.call("set_cost_profile", table)
+            for group in rep.groups:
+                group.step = await SpecStep.create(rep.target, rep.drafter)
+            rep.hidden = rep.groups[0].step.hidden
+            await rep.groups[0].step.profile()       # one cost model per drafter worker
             self._tasks += [asyncio.create_task(self._run_group(rep, g)) for g in rep.groups]
 
     async def reset_stats(self) -> None:
@@ -228,18 +225,14 @@ class Scheduler:
         """Cancel every request, stop the loops, free every slot."""
         self._closing = True
         for req in list(self._requests.values()):
-            self._finish(req, FINISH_CANCELLED)
+            self._finish(req, FinishReason.CANCELLED)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         for rep in self.replicas:
-            ids = [r.id for g in rep.groups for r in g.members]
-            if ids:
-                await asyncio.gather(
-                    rep.target.call("release", ids), rep.drafter.call("release", ids), return_exceptions=True
-                )
             for g in rep.groups:
+                await self._release(rep, g, [r.id for r in g.members])
                 g.members.clear()
                 g.pending.clear()
             rep.target.close()
@@ -275,7 +268,7 @@ class Scheduler:
         self._dispatch()
         return RequestHandle(req)
 
-    def abort(self, request_id: str, reason: str = FINISH_CANCELLED) -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Stop a request (client cancel, deadline, stop string). Its slots are freed at the next step
         boundary of its group; a queued request just leaves the queue."""
         req = self._requests.get(request_id)
@@ -330,7 +323,7 @@ class Scheduler:
             except Exception as exc:  # a worker failure must not take the router down with it
                 log.exception("replica %d: step failed", rep.index)
                 for req in group.members + group.pending:
-                    self._finish(req, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
+                    self._finish(req, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
                 group.members += group.pending
                 group.pending = []
                 await self._retire(rep, group)
@@ -340,79 +333,51 @@ class Scheduler:
         if group.pending:
             new, group.pending = group.pending, []
             group.members += new
-            await self._start(rep, new)
+            await self._start(group, new)
             await self._retire(rep, group)
-        live = [r for r in group.members if not r.done]
-        if not live:
+        by_id = {r.id: r for r in group.members if not r.done}
+        if not by_id:
             return
-        ids = [r.id for r in live]
-        # Target-only requests (the baseline) never touch the drafter: an empty draft verifies one token.
-        drafting = [r for r in live if r.new.spec.enabled]
-        proposed = []
-        if drafting:
-            items = [self._draft_item(r) for r in drafting]
-            proposed = await rep.drafter.call("propose", items, group.last_verify)
-        plain = [Draft(r.id, []) for r in live if not r.new.spec.enabled]
-        drafts = _in_order([*proposed, *plain], ids, "propose")
-        verify_args = (drafts, True) if rep.hidden else (drafts,)
-        t0 = time.perf_counter()
-        results = _in_order(await rep.target.call("verify", *verify_args), ids, "verify")
-        rows = [1 + len(d.tokens) for d in drafts]
-        group.last_verify = (rows, time.perf_counter() - t0, sum(len(r.new_tokens) for r in results))
+        outcomes = await group.step.step([r.seq for r in by_id.values()])
         rep.steps += 1
-        for req, draft, result in zip(live, drafts, results, strict=True):
-            self._apply_step(rep, req, draft, result)
+        for out in outcomes:
+            self._apply_step(rep, by_id[out.seq.request_id], out)
         await self._retire(rep, group)
 
-    async def _start(self, rep: _Replica, new: list[_Request]) -> None:
+    async def _start(self, group: _Group, new: list[_Request]) -> None:
         todo = [r for r in new if not r.done]
         if not todo:
             return
         now = time.perf_counter()
         for req in todo:
             req.stats.started_at = now
-        hidden = None
-        if rep.hidden:
-            first, hidden = await rep.target.call("start", [r.new for r in todo], True)
-        else:
-            first = await rep.target.call("start", [r.new for r in todo])
-        for req, tokens in zip(todo, first, strict=True):
+        new_tokens = await group.step.start([r.seq for r in todo])
+        for req, tokens in zip(todo, new_tokens, strict=True):
             if not req.done:
-                self._deliver(req, req.seq.start(list(tokens)))
-        cont = [i for i, r in enumerate(todo) if not r.done and r.new.spec.enabled]
-        if cont:
-            args = [[todo[i].new for i in cont], [list(first[i]) for i in cont]]
-            if hidden is not None:
-                args.append([hidden[i] for i in cont])
-            await rep.drafter.call("start", *args)
+                self._deliver(req, tokens)
 
-    def _draft_item(self, req: _Request) -> DraftItem:
-        # Sequence caps γ at remaining - 1 (a step emits accepted + 1 tokens) and carries the commit.
-        return req.seq.next_draft_item()
-
-    def _apply_step(self, rep: _Replica, req: _Request, draft: Draft, result: VerifyResult) -> None:
-        if draft.drafter_version:
-            rep.drafter_version = draft.drafter_version
+    def _apply_step(self, rep: _Replica, req: _Request, out: StepOutcome) -> None:
+        if out.draft.drafter_version:
+            rep.drafter_version = out.draft.drafter_version
+        result = out.result
         depth = result.depth if result.depth is not None else result.num_drafted
-        self.observer.on_step(rep.index, draft, result, depth)
-        if req.done:          # cancelled while the step ran: its tokens are never shown
-            return
-        version = draft.drafter_version if result.num_drafted else None
-        self._deliver(req, req.seq.apply(result, drafter_version=version))
+        self.observer.on_step(rep.index, out.draft, result, depth)
+        if not req.done:          # cancelled while the step ran: its tokens are never shown
+            self._deliver(req, out.new_tokens)
 
-    def _deliver(self, req: _Request, emitted: list[int]) -> None:
-        """Hand emitted tokens (already cut at EOS and max_new_tokens by Sequence) to the client."""
-        if emitted:
+    def _deliver(self, req: _Request, new_tokens: list[int]) -> None:
+        """Hand a step's new tokens (already cut at EOS and max_new_tokens by Sequence) to the client."""
+        if new_tokens:
             if req.stats.first_token_at is None:
                 req.stats.first_token_at = req.seq.first_token_time
                 self.observer.on_first_token(req.stats.time_to_first_token)
             req.stats.completion_tokens = len(req.seq.output)
-            self.tokens_generated += len(emitted)
-            req.events.put_nowait(TokensEvent(emitted))
+            self.tokens_generated += len(new_tokens)
+            req.events.put_nowait(TokensEvent(new_tokens))
         if req.seq.finished:
-            self._finish(req, FINISH_EOS if req.seq.finish_reason == "stop" else FINISH_LENGTH)
+            self._finish(req, req.seq.finish_reason)
 
-    def _finish(self, req: _Request, reason: str, error: str = "") -> None:
+    def _finish(self, req: _Request, reason: FinishReason, error: str = "") -> None:
         if req.done:
             return
         req.done = True
@@ -430,23 +395,26 @@ class Scheduler:
         done = [r for r in group.members if r.done]
         if not done:
             return
-        ids = [r.id for r in done]
-        results = await asyncio.gather(
-            rep.target.call("release", ids), rep.drafter.call("release", ids), return_exceptions=True
-        )
-        for res in results:
-            if isinstance(res, BaseException):
-                log.error("replica %d: release of %s failed: %r", rep.index, ids, res)
+        await self._release(rep, group, [r.id for r in done])
         group.members = [r for r in group.members if not r.done]
         for req in done:
             self._requests.pop(req.id, None)
         self._update_activity(rep)
         self._dispatch()
 
+    @staticmethod
+    async def _release(rep: _Replica, group: _Group, ids: list[str]) -> None:
+        if not ids or group.step is None:
+            return
+        try:
+            await group.step.release(ids)
+        except Exception as exc:  # a failed release leaks a slot, never the router
+            log.error("replica %d: release of %s failed: %r", rep.index, ids, exc)
+
     # ---- statistics ----------------------------------------------------------------------------
     async def _busy_seconds(self, rep: _Replica) -> tuple[float, float]:
-        t, d = await asyncio.gather(rep.target.call("busy_seconds"), rep.drafter.call("busy_seconds"))
-        return float(t), float(d)
+        t, d = await asyncio.gather(rep.target.busy_seconds(), rep.drafter.busy_seconds())
+        return t, d
 
     async def worker_stats(self) -> list[dict]:
         """Per replica: busy fractions of both workers over the time it had requests, and their overlap.
@@ -458,7 +426,7 @@ class Scheduler:
         out = []
         for rep in self.replicas:
             t, d = await self._busy_seconds(rep)
-            goodput = await rep.drafter.call("goodput_stats")
+            goodput = await rep.drafter.goodput_stats()
             t -= rep.busy_base[0]
             d -= rep.busy_base[1]
             active = rep.active_total(now)
@@ -491,13 +459,6 @@ class Scheduler:
         raise RuntimeError("request stream ended without a FinishEvent")
 
 
-def _handle(worker: Any, name: str) -> WorkerHandle:
-    return worker if isinstance(worker, WorkerHandle) else WorkerHandle(worker, name)
-
-
-def _in_order(records: list, ids: list[str], what: str) -> list:
-    """The worker's records in the order of `ids`; a missing or extra record is a worker bug."""
-    by_id = {r.request_id: r for r in records}
-    if len(records) != len(ids) or set(by_id) != set(ids):
-        raise RuntimeError(f"{what} returned records for {sorted(by_id)}, expected {sorted(ids)}")
-    return [by_id[i] for i in ids]
+def _as_handle(cls: type, worker: Any, name: str) -> Any:
+    """A handle of `cls` for a Ray actor or an in-process worker (which then runs on its own thread)."""
+    return worker if isinstance(worker, cls) else cls(worker, name)

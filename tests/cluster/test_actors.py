@@ -9,10 +9,10 @@ import pytest
 from fake_workers import EOS, target_only
 
 from cluster import actors
-from cluster.scheduler import FINISH_LENGTH, Scheduler
+from cluster.scheduler import Scheduler
 from configs.schema import SpecdConfig
 from workers.core.sampling import SamplingParams
-from workers.engine.types import NewRequest, SpecParams
+from workers.engine.types import FinishReason, NewRequest, SpecParams
 
 
 def config(**target) -> SpecdConfig:
@@ -107,7 +107,7 @@ def test_scheduler_over_ray_actor_handles(ray_session) -> None:
     finally:
         actors.shutdown_cluster(cluster)
     assert [t for t, _ in outs] == [target_only([i + 1], 9) for i in range(4)]
-    assert all(fin.reason == FINISH_LENGTH for _, fin in outs)
+    assert all(fin.reason == FinishReason.LENGTH for _, fin in outs)
     assert sorted(fin.stats.replica for _, fin in outs) == [0, 0, 1, 1]
     assert [s["steps"] > 0 for s in stats] == [True, True]
 

@@ -9,17 +9,13 @@ import pytest
 from fake_workers import EOS, Tracker, target_only
 
 from cluster.scheduler import (
-    FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_ERROR,
-    FINISH_LENGTH,
     FinishEvent,
     QueueFull,
     Scheduler,
     TokensEvent,
 )
 from workers.core.sampling import SamplingParams
-from workers.engine.types import NewRequest, SpecParams
+from workers.engine.types import FinishReason, NewRequest, SpecParams
 
 
 def request(rid: str, prompt: list[int], n: int, spec: bool = True, gamma: int = 4,
@@ -57,7 +53,7 @@ def test_output_equals_target_only_with_and_without_speculation(fake_pair) -> No
     prompts = [[1, 2, 3], [10], [40, 41], [5, 6, 7, 8]]
     for i, (tokens, fin) in enumerate(results):
         assert tokens == target_only(prompts[i % 4], 17)
-        assert fin.reason == FINISH_LENGTH and fin.stats.completion_tokens == 17
+        assert fin.reason == FinishReason.LENGTH and fin.stats.completion_tokens == 17
     spec_stats = [fin.stats.spec for _, fin in results[:4]]
     assert sum(s.drafted for s in spec_stats) > sum(s.accepted for s in spec_stats) > 0
     assert sum(s.recovered for s in spec_stats) > 0 and sum(s.bonus for s in spec_stats) > 0
@@ -166,9 +162,9 @@ def test_eos_ends_a_request_and_max_new_tokens_is_exact(fake_pair) -> None:
         return eos, exact, ignored
 
     eos, exact, ignored = asyncio.run(main())
-    assert eos[0] == list(range(91, 100)) and eos[1].reason == FINISH_EOS
+    assert eos[0] == list(range(91, 100)) and eos[1].reason == FinishReason.EOS
     for (tokens, fin), n in zip(exact, (1, 2, 5, 6), strict=True):
-        assert tokens == target_only([3], n) and fin.reason == FINISH_LENGTH
+        assert tokens == target_only([3], n) and fin.reason == FinishReason.LENGTH
     assert ignored[0] == [98, 99, 0, 1, 2]
 
 
@@ -183,7 +179,7 @@ def test_cancel_frees_slots_on_both_workers(fake_pair) -> None:
         assert isinstance(first, TokensEvent)
         assert sched.waiting() == 1
         sched.abort("queued")
-        assert (await queued.__anext__()).reason == FINISH_CANCELLED
+        assert (await queued.__anext__()).reason == FinishReason.CANCELLED
         sched.abort("run")
         events = [e async for e in running]
         await until(lambda: not target.running and not drafter.running, "slots freed")
@@ -192,7 +188,7 @@ def test_cancel_frees_slots_on_both_workers(fake_pair) -> None:
         return target, events, after, sched
 
     target, events, after, sched = asyncio.run(main())
-    assert isinstance(events[-1], FinishEvent) and events[-1].reason == FINISH_CANCELLED
+    assert isinstance(events[-1], FinishEvent) and events[-1].reason == FinishReason.CANCELLED
     assert "run" in target.released
     assert not any("queued" in ids for _, _, ids in target.tracker.log)   # never started
     assert after[0] == target_only([7], 4)
@@ -233,9 +229,9 @@ def test_a_failing_worker_fails_its_requests_not_the_scheduler(fake_pair) -> Non
         return target, bad, good
 
     target, bad, good = asyncio.run(main())
-    assert bad[1].reason == FINISH_ERROR and "fake failure" in bad[1].error
+    assert bad[1].reason == FinishReason.ERROR and "fake failure" in bad[1].error
     assert "bad" in target.released
-    assert good[0] == target_only([4], 10) and good[1].reason == FINISH_LENGTH
+    assert good[0] == target_only([4], 10) and good[1].reason == FinishReason.LENGTH
 
 
 def test_requests_spread_over_replicas(fake_pair) -> None:

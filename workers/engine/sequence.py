@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from workers.core.stats import RequestStats
-from workers.engine.types import DraftItem, NewRequest, VerifyResult
+from workers.engine.types import DraftItem, FinishReason, NewRequest, VerifyResult
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     output: list[int] = field(default_factory=list)
     stats: RequestStats = field(default_factory=RequestStats)
-    finish_reason: str | None = None            # "length" | "stop" | "abort"
+    finish_reason: FinishReason | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -60,22 +60,22 @@ class Sequence:
 
     def append(self, tokens: list[int]) -> list[int]:
         """Add target-approved tokens; returns the ones actually emitted (cut at EOS, stop ids or length)."""
-        emitted = []
+        new_tokens = []
         now = time.perf_counter()
         for tok in tokens:
             if self.finished:
                 break
-            emitted.append(tok)
+            new_tokens.append(tok)
             self.output.append(tok)
             if tok in self.eos_token_ids or tok in self.request.stop_token_ids:
-                self.finish_reason = "stop"
+                self.finish_reason = FinishReason.EOS
             elif len(self.output) >= self.request.max_new_tokens:
-                self.finish_reason = "length"
-        if emitted and self.first_token_time is None:
+                self.finish_reason = FinishReason.LENGTH
+        if new_tokens and self.first_token_time is None:
             self.first_token_time = now
         if self.finished and self.finish_time is None:
             self.finish_time = now
-        return emitted
+        return new_tokens
 
     def start(self, first_tokens: list[int]) -> list[int]:
         """The prefill's first token: it is no step, so statistics do not count it."""
@@ -94,7 +94,7 @@ class Sequence:
         self._last_hidden = result.hidden
         return self.append(result.new_tokens)
 
-    def abort(self, reason: str = "abort") -> None:
+    def abort(self, reason: FinishReason = FinishReason.CANCELLED) -> None:
         if not self.finished:
             self.finish_reason = reason
             self.finish_time = time.perf_counter()

@@ -1,20 +1,21 @@
 """In-process speculative engine: continuous batching over one TargetWorker and one DraftWorker.
 
-This is the unpipelined reference schedule (draft, then verify, then draft again) that the engine
-benchmark and the demo run without Ray or gRPC. The router's scheduler runs the same steps through
-Ray actors and overlaps the drafter and the target across two groups of requests.
-With `spec.enabled = False` (or no drafter) every step verifies an empty draft: that is plain
-autoregressive decoding on the same engine, the baseline every speed-up is measured against.
+It drives the speculative step (workers/engine/step.py) synchronously, unpipelined (draft, verify,
+draft again), without Ray or gRPC: the engine benchmark and the demo run it. The router's scheduler
+drives the same step through Ray actors and overlaps drafter and target across two groups.
+Without a drafter, or for requests with `spec.enabled = False`, every step verifies an empty draft:
+plain autoregressive decoding on the same engine, the baseline every speed-up is measured against.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 
+from workers.engine.handles import DrafterHandle, TargetHandle, run_sync
 from workers.engine.sequence import Sequence
-from workers.engine.types import Draft, NewRequest
+from workers.engine.step import SpecStep
+from workers.engine.types import NewRequest
 
 
 class SpecEngine:
@@ -24,15 +25,15 @@ class SpecEngine:
         info = target.info()
         self.eos_token_ids = tuple(info["eos_token_ids"])
         self.max_running = max_running or info["max_slots"]
-        # A feature drafter reads the target's hidden states: the target returns them with each result.
-        self.hidden = drafter is not None and drafter.uses_target_hidden()
         if drafter is not None:
             self.max_running = min(self.max_running, drafter.max_slots())
-            # The goodput policy's cost model starts from a timed sweep on this device.
-            request = drafter.cost_profile_request()
-            if request is not None:
-                drafter.set_cost_profile(target.profile_verify(**request))
-        self._last_verify = None  # (tokens per row, seconds, emitted) of the previous verify
+        handle = DrafterHandle(drafter, "drafter", "direct") if drafter is not None else None
+        self.step = run_sync(SpecStep.create(TargetHandle(target, "target", "direct"), handle))
+        run_sync(self.step.profile())
+
+    @property
+    def hidden(self) -> bool:
+        return self.step.hidden
 
     def generate(
         self,
@@ -40,7 +41,7 @@ class SpecEngine:
         on_step: Callable[[Sequence, list[int]], None] | None = None,
         ignore_eos: bool = False,
     ) -> list[Sequence]:
-        """Run every request to completion; `on_step(seq, emitted)` sees each emitted chunk."""
+        """Run every request to completion; `on_step(seq, new_tokens)` sees each emitted chunk."""
         eos = () if ignore_eos else self.eos_token_ids
         waiting = deque(Sequence(r, eos) for r in requests)
         done: dict[str, Sequence] = {}
@@ -50,49 +51,16 @@ class SpecEngine:
             while waiting and len(running) + len(admitted) < self.max_running:
                 admitted.append(waiting.popleft())
             if admitted:
-                self._start(admitted, running, on_step)
-            self._step(running, on_step)
-            for rid in [rid for rid, s in running.items() if s.finished]:
+                new_tokens = run_sync(self.step.start(admitted))
+                for seq, toks in zip(admitted, new_tokens, strict=True):
+                    running[seq.request_id] = seq
+                    if on_step:
+                        on_step(seq, toks)
+            for out in run_sync(self.step.step(list(running.values()))):
+                if on_step:
+                    on_step(out.seq, out.new_tokens)
+            finished = [rid for rid, s in running.items() if s.finished]
+            run_sync(self.step.release(finished))
+            for rid in finished:
                 done[rid] = running.pop(rid)
-                self.target.release([rid])
-                if self.drafter is not None:
-                    self.drafter.release([rid])
         return [done[r.request_id] for r in requests]
-
-    def _start(self, admitted: list[Sequence], running: dict[str, Sequence], on_step) -> None:
-        reqs = [s.request for s in admitted]
-        if self.hidden:
-            first, hidden = self.target.start(reqs, return_hidden=True)
-            self.drafter.start(reqs, first, hidden)
-        else:
-            first = self.target.start(reqs)
-            if self.drafter is not None:
-                self.drafter.start(reqs, first)
-        for seq, toks in zip(admitted, first, strict=True):
-            running[seq.request_id] = seq
-            emitted = seq.start(toks)
-            if on_step:
-                on_step(seq, emitted)
-
-    def _step(self, running: dict[str, Sequence], on_step) -> None:
-        active = [s for s in running.values() if not s.finished]
-        if not active:
-            return
-        items = [s.next_draft_item() for s in active]
-        if self.drafter is not None:
-            drafts = self.drafter.propose(items, last_verify=self._last_verify)
-            version = self.drafter.version()
-        else:
-            drafts = [Draft(s.request_id, []) for s in active]
-            version = None
-        t0 = time.perf_counter()
-        if self.hidden:
-            results = self.target.verify(drafts, return_hidden=True)
-        else:
-            results = self.target.verify(drafts)
-        rows = [1 + len(d.tokens) for d in drafts]
-        self._last_verify = (rows, time.perf_counter() - t0, sum(len(r.new_tokens) for r in results))
-        for seq, res in zip(active, results, strict=True):
-            emitted = seq.apply(res, drafter_version=version if res.num_drafted else None)
-            if on_step:
-                on_step(seq, emitted)

@@ -179,7 +179,10 @@ class TargetWorker:
                     results[res.request_id] = res
             for draft in trees:
                 results[draft.request_id] = self._verify_tree(draft, return_hidden)
-        self._busy += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self._busy += seconds
+        for res in results.values():
+            res.verify_seconds = seconds
         return [results[d.request_id] for d in drafts]
 
     def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

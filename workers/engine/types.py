@@ -8,10 +8,21 @@ Words follow the glossary: drafted, accepted, recovered, bonus, step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
 from workers.core.sampling import SamplingParams
+
+
+class FinishReason(StrEnum):
+    """Why a request ended; the same words in Sequence, the scheduler, metrics and the proto."""
+
+    LENGTH = "length"          # max_new_tokens reached
+    EOS = "eos"                # an end-of-sequence token or one of the request's stop token ids
+    STOP = "stop"              # a stop string appeared in the text (the router matches text)
+    CANCELLED = "cancelled"    # the client cancelled, the deadline passed, or the server stopped
+    ERROR = "error"            # a worker failed during the request's step
 
 
 @dataclass(frozen=True)
@@ -73,3 +84,4 @@ class VerifyResult:
     # [len(new_tokens), hidden] float32: the target's final hidden state that predicted each new token;
     # only when the drafter reads target hidden states (verify(..., return_hidden=True))
     hidden: torch.Tensor | None = None
+    verify_seconds: float = 0.0                 # wall time of the target's verify call (whole batch)

@@ -38,7 +38,7 @@ from workers.core.stats import RequestStats
 from workers.drafters.model import read_drafter_version, resolve_drafter_dir
 from workers.engine.runner import resolve_dtype
 from workers.engine.sequence import Sequence
-from workers.engine.types import NewRequest, VerifyResult
+from workers.engine.types import FinishReason, NewRequest, VerifyResult
 from workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
 from workers.models.loader import ensure_target_model
 
@@ -276,7 +276,7 @@ class VllmEngine:
         return bool(self._live)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Stop requests by our ids; their Sequences finish with reason "abort"."""
+        """Stop requests by our ids; their Sequences finish with reason CANCELLED."""
         wanted = set(request_ids)
         hits = [vid for vid, (seq, _, _) in self._live.items() if seq.request_id in wanted]
         self.llm.llm_engine.abort_request(hits)
@@ -324,7 +324,7 @@ class VllmEngine:
                                             teacher_topk_ids=ids, teacher_topk_logprobs=values))
         if not seq.finished:
             # vLLM ended it for a reason Sequence does not model (context full, abort).
-            seq.abort("length" if completion.finish_reason == "length" else "abort")
+            seq.abort(FinishReason.LENGTH if completion.finish_reason == "length" else FinishReason.CANCELLED)
 
 
 def align_steps(deltas: list[list[int]], drafted_steps: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from workers.core.sampling import SamplingParams
 from workers.engine.draft_worker import DraftWorker
 from workers.engine.spec_engine import SpecEngine
 from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from workers.engine.types import FinishReason, NewRequest, SpecParams
 
 GREEDY = SamplingParams()
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
@@ -102,16 +102,16 @@ def test_more_requests_than_slots_and_stop_rules(cfg, target):
     reqs = [NewRequest(f"s{i}", p, GREEDY, 5 + i, SpecParams(gamma=4)) for i, p in enumerate(prompts)]
     seqs = engine.generate(reqs, ignore_eos=True)
     assert [len(s.output) for s in seqs] == [5 + i for i in range(16)]
-    assert all(s.finish_reason == "length" for s in seqs)
+    assert all(s.finish_reason == FinishReason.LENGTH for s in seqs)
     # max_new_tokens is never overshot: γ is capped at remaining - 1
     assert all(max(s.stats.gamma_history, default=0) <= 5 + i - 1 for i, s in enumerate(seqs))
-    # a stop token ends the request with finish_reason "stop" and is the last token emitted
+    # a stop token id ends the request like EOS and is the last token emitted
     base = seqs[0].output
     stop = base[2]
     req = NewRequest("stop", prompts[0], SamplingParams(), 5, SpecParams(gamma=4), stop_token_ids=(stop,))
     (seq,) = engine.generate([req], ignore_eos=True)
     assert seq.output == base[: base.index(stop) + 1]
-    assert seq.finish_reason == "stop"
+    assert seq.finish_reason == FinishReason.EOS
 
 
 def test_bad_requests_leave_workers_usable(cfg, target):
