@@ -200,7 +200,7 @@ def test_worker_failure_is_internal_and_server_survives(server) -> None:
     c, target = server["client"], server["target"]
     original = target.verify
 
-    def failing_verify(drafts):
+    def failing_verify(drafts, return_hidden=False):
         raise ValueError("fake worker bug")
 
     target.verify = failing_verify
