@@ -94,7 +94,7 @@ def test_scheduler_over_ray_actor_handles(ray_session) -> None:
         async def main():
             sched = Scheduler(pairs, capacity=4, max_queue=8, max_running=8, pipeline_groups=2,
                               eos_token_ids=[EOS])
-            assert all(rep.target.is_actor and rep.drafter.is_actor for rep in sched.replicas)
+            assert all(rep.target.mode == rep.drafter.mode == "actor" for rep in sched.replicas)
             await sched.start()
             reqs = [NewRequest(f"r{i}", [i + 1], SamplingParams(), 9, SpecParams(gamma=3), (EOS,))
                     for i in range(4)]
