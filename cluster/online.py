@@ -22,7 +22,7 @@ class OnlineParts:
     writer: Any = None
     recorder: Any = None
     trainer: Any = None            # Ray actor handle of cluster.trainer_actor.TrainerActor
-    drafters: list = field(default_factory=list)   # DraftWorker handles that follow the version store
+    drafters: list = field(default_factory=list)   # DrafterHandles of the DraftWorkers following the store
     store: str | None = None
 
     def stop(self) -> None:
@@ -41,7 +41,7 @@ class OnlineParts:
 
 
 def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistry | None) -> OnlineParts:
-    """Start what config asks for; `drafters`: the replicas' DraftWorker actor handles."""
+    """Start what config asks for; `drafters`: the replicas' DraftWorkers (Ray actor handles)."""
     from cluster.redis_server import open_redis
     from cluster.replay import ReplayRecorder
     from cluster.replay_writer import ReplayWriter
@@ -70,7 +70,9 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
         return parts
     parts.trainer = start_trainer_actor(cfg, endpoint)
     parts.store = str(store_root(cfg))
-    parts.drafters = list(drafters)
+    from workers.engine.handles import DrafterHandle
+
+    parts.drafters = [DrafterHandle(d, f"drafter-{i}") for i, d in enumerate(drafters)]
     return parts
 
 
@@ -83,9 +85,9 @@ async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | 
     try:
         await parts.trainer.stats.remote()
         for d in parts.drafters:
-            await d.watch_versions.remote(parts.store, str(model_dir), SWAP_POLL_S)
+            await d.watch_versions(parts.store, str(model_dir), SWAP_POLL_S)
             if version_pin:
-                await d.pin_version.remote(version_pin)
+                await d.pin_version(version_pin)
     except Exception:  # the trainer is optional: serving goes on with the drafter it has
         log.exception("online trainer failed to start; serving continues without it")
         parts.drafters = []
@@ -133,4 +135,4 @@ async def poll_online(parts: OnlineParts, metrics: OnlineMetrics) -> None:
     if parts.trainer is not None:
         metrics.set_trainer(await parts.trainer.stats.remote())
     for i, d in enumerate(parts.drafters):
-        metrics.set_swaps(i, await d.swap_stats.remote())
+        metrics.set_swaps(i, await d.swap_stats())

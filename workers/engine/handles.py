@@ -113,3 +113,13 @@ class DrafterHandle(_Handle):
 
     async def goodput_stats(self) -> dict:
         return await self._call(self.worker.goodput_stats)
+
+    async def watch_versions(self, root: str, target_model_dir: str, poll_s: float = 2.0) -> str:
+        """Follow the online trainer's version store (hot-swap between steps); returns the serving version."""
+        return str(await self._call(self.worker.watch_versions, root, target_model_dir, poll_s))
+
+    async def swap_stats(self) -> dict:
+        return await self._call(self.worker.swap_stats)
+
+    async def pin_version(self, version: str | None) -> str:
+        return str(await self._call(self.worker.pin_version, version))
