@@ -44,6 +44,14 @@ _FINISH = {
 }
 
 
+def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where `text` ends: at the start of the stop string that is completed first reading left to right
+    (the earliest end; at equal ends the longer one). Not simply the earliest start: with overlapping
+    stop strings that would depend on how many tokens a step happened to bring at once."""
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stop) if i >= 0]
+    return min(hits)[1] if hits else None
+
+
 class TextStream:
     """Incremental detokenization with stop strings.
 
@@ -65,10 +73,10 @@ class TextStream:
             return ""
         self.ids += ids
         text = self.codec.decode(self.ids)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
+        hit = first_stop(text, self.stop)
+        if hit is not None:
             self.stopped = True
-            self.text = text[: min(hits)]
+            self.text = text[:hit]
             return self.flush()
         self.text = text
         end = len(text)
