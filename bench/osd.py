@@ -67,6 +67,7 @@ async def run_stream(
                     max_new_tokens=max_new_tokens,
                     ignore_eos=True,
                     temperature=0.0,
+                    domain=domain,
                 ):
                     tokens += len(chunk.token_ids)
                     usage = chunk.usage or usage

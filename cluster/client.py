@@ -92,12 +92,13 @@ def build_request(
     tree_width: int | None = None,
     gamma_policy: str = "",
     request_id: str = "",
+    domain: str = "",
 ) -> serving_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; unset options take the server's defaults."""
     inputs = [x is not None for x in (prompt, messages, text, token_ids)]
     if sum(inputs) != 1:
         raise ValueError("pass exactly one of prompt, messages, text or token_ids")
-    req = serving_pb2.GenerateRequest(request_id=request_id)
+    req = serving_pb2.GenerateRequest(request_id=request_id, domain=domain)
     if prompt is not None:
         messages = [{"role": "user", "content": prompt}]
     if messages is not None:

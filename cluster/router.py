@@ -156,7 +156,8 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
         shown_id = valid.client_request_id or rid
         stop_ids = () if valid.ignore_eos else b.eos_token_ids
         new = NewRequest(
-            rid, valid.prompt_token_ids, valid.sampling, valid.max_new_tokens, valid.spec, stop_ids
+            rid, valid.prompt_token_ids, valid.sampling, valid.max_new_tokens, valid.spec, stop_ids,
+            domain=valid.domain,
         )
         try:
             handle = b.scheduler.submit(new, ignore_eos=valid.ignore_eos)

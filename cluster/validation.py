@@ -21,6 +21,7 @@ from workers.engine.types import SpecParams
 # Generous but finite: stop strings are searched in the decoded text after every step.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_DOMAIN_LENGTH = 64
 MAX_REQUEST_ID_LENGTH = 128
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # The proto carries temperature as float32: compare with the float32 nearest to the bound.
@@ -102,6 +103,7 @@ class ValidRequest:
     stop: tuple[str, ...]
     ignore_eos: bool
     client_request_id: str
+    domain: str = ""
 
 
 def _prompt(req: serving_pb2.GenerateRequest, bounds: Bounds, codec: TextCodec) -> list[int]:
@@ -230,4 +232,12 @@ def validate_request(
         stop=stop,
         ignore_eos=req.sampling.ignore_eos,
         client_request_id=req.request_id,
+        domain=_domain(req.domain),
     )
+
+
+def _domain(domain: str) -> str:
+    if len(domain) > MAX_DOMAIN_LENGTH or not domain.isprintable():
+        raise InvalidRequest(f"domain must be at most {MAX_DOMAIN_LENGTH} printable characters, "
+                             f"got {domain[:80]!r}")
+    return domain

@@ -47,8 +47,8 @@ async def _run(sched: Scheduler, tag: str, n_tokens: int, gamma: int = 3, tree: 
     async def one(i: int, prompt: list[int]) -> list[int]:
         spec = SpecParams(gamma=gamma, tree_width=tree)
         tokens: list[int] = []
-        async for ev in sched.submit(NewRequest(f"{tag}-{i}", prompt, SamplingParams(), n_tokens, spec),
-                                     ignore_eos=True):
+        new = NewRequest(f"{tag}-{i}", prompt, SamplingParams(), n_tokens, spec, domain=f"d{i % 2}")
+        async for ev in sched.submit(new, ignore_eos=True):
             if isinstance(ev, TokensEvent):
                 tokens += ev.tokens
             else:
@@ -84,7 +84,7 @@ def test_every_finished_request_becomes_an_exact_record(workers, tree):
     for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
         rec = by_id[f"t{tree}-{i}"]
         assert list(rec.prompt_token_ids) == prompt and list(rec.output_token_ids) == out
-        assert rec.target_checksum == "abc" and rec.steps
+        assert rec.target_checksum == "abc" and rec.steps and rec.domain == f"d{i % 2}"
         offsets = [s.output_offset for s in rec.steps]
         assert offsets[0] == 1 and offsets == sorted(offsets)
         for s, nxt in zip(rec.steps, [*offsets[1:], len(out)], strict=True):

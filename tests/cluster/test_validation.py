@@ -144,3 +144,10 @@ def test_seed_range_edges() -> None:
     assert valid(text="a", seed=2**64 - 1).sampling.seed == 2**64 - 1
     assert valid(text="a", seed=0).sampling.seed == 0
     assert valid(text="a", temperature=1e-5).sampling.temperature == pytest.approx(1e-5)
+
+
+def test_domain_tag_passes_through_and_is_bounded() -> None:
+    assert valid(text="hi", domain="gsm8k").domain == "gsm8k"
+    assert valid(text="hi").domain == ""
+    invalid("domain must be at most 64", text="hi", domain="x" * 65)
+    invalid("domain must be at most 64", text="hi", domain="bad\ntag")

@@ -43,6 +43,7 @@ class NewRequest:
     max_new_tokens: int
     spec: SpecParams = field(default_factory=SpecParams)
     stop_token_ids: tuple[int, ...] = ()
+    domain: str = ""              # the client's traffic tag, for replay records ("" = none)
 
 
 @dataclass
