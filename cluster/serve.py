@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -53,6 +54,33 @@ class _Resources:
     metrics_http: Any = None
     online: Any = None                  # cluster.online.OnlineParts
     tasks: list[asyncio.Task] = field(default_factory=list)
+    grace_s: float = 10.0               # server.shutdown_grace_s
+
+
+class SignalStop:
+    """SIGINT/SIGTERM handling. The first signal starts a graceful shutdown (health NOT_SERVING at once,
+    new requests refused, in-flight ones get server.shutdown_grace_s to finish); a second one exits the
+    process at once with 128 + the signal number, for an operator who will not wait."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
+        self.loop, self.stop = loop, stop
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            self.loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def remove(self) -> None:
+        for sig in self.SIGNALS:
+            self.loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stop.is_set():
+            print(f"specd: second {signal.Signals(sig).name}: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        log.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(sig).name)
+        self.stop.set()
 
 
 def serve(cfg: SpecdConfig, ready_callback=None) -> int:
@@ -73,13 +101,14 @@ async def _serve(cfg: SpecdConfig, ready_callback) -> int:
     stop = asyncio.Event()
     in_main = threading.current_thread() is threading.main_thread()
 
+    signals = SignalStop(loop, stop)
+
     def install_signals() -> None:
         if in_main:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
+            signals.install()
 
     install_signals()
-    res = _Resources()
+    res = _Resources(grace_s=cfg.server.shutdown_grace_s)
     stopper = asyncio.create_task(stop.wait())
     try:
         bring_up = asyncio.create_task(_bring_up(cfg, res, loop, stop, ready_callback, install_signals))
@@ -94,8 +123,7 @@ async def _serve(cfg: SpecdConfig, ready_callback) -> int:
         stopper.cancel()
         await _shut_down(res)
         if in_main:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+            signals.remove()
 
 
 async def _bring_up(
@@ -207,7 +235,7 @@ async def _shut_down(res: _Resources) -> None:
     for task in res.tasks:
         task.cancel()
     if res.grpc is not None:
-        await res.grpc.stop(grace=2.0)
+        await res.grpc.stop(grace=res.grace_s)
     if res.scheduler is not None:
         await res.scheduler.stop()
     if res.online is not None:

@@ -181,6 +181,9 @@ class ServerConfig:
     pipeline_groups: int = 2            # 2 = draft group B while verifying group A; 1 = unpipelined
     metrics_port: int = 9464            # prometheus-client HTTP endpoint; 0 = off
     warmup: bool = True                 # one short request per replica before SERVING
+    # SIGTERM/SIGINT: health NOT_SERVING at once, new requests refused, in-flight ones get this long to
+    # finish before they are cancelled; a second signal exits at once
+    shutdown_grace_s: float = 10.0
     # A second, plaintext port carrying only grpc.health.v1, for kubelet gRPC probes (which cannot
     # speak TLS); 0 = off. It answers health and nothing else, so it needs no token.
     health_port: int = 0
