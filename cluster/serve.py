@@ -200,6 +200,14 @@ async def _bring_up(
     )
     metrics.set_live_config(backend.bounds, cfg.drafter.version_pin)
     await res.grpc.attach(backend)
+    if cfg.server.health_probe_s > 0:
+        from cluster.health_probe import HealthProber
+
+        spec = SpecParams(gamma=cfg.spec.gamma, policy=cfg.spec.policy, tree_width=cfg.spec.tree_width,
+                          enabled=cfg.spec.enabled)
+        prober = HealthProber(res.scheduler, codec.encode("Hello"), spec, res.grpc.set_serving,
+                              cfg.server.health_probe_s, timeout_s=cfg.server.health_probe_s)
+        res.tasks.append(asyncio.create_task(prober.run()))
     metrics_note = f", metrics on http://{cfg.server.host}:{metrics_port}/metrics" if metrics_port else ""
     print(f"specd serving {info['model']} on {res.grpc.address}{metrics_note}", flush=True)
     if ready_callback is not None:

@@ -184,6 +184,9 @@ class ServerConfig:
     # SIGTERM/SIGINT: health NOT_SERVING at once, new requests refused, in-flight ones get this long to
     # finish before they are cancelled; a second signal exits at once
     shutdown_grace_s: float = 10.0
+    # Health proves serving works: one two-token generation every this many seconds; one that fails or
+    # takes longer turns grpc.health.v1 NOT_SERVING until one passes again. 0 = off (health = loaded)
+    health_probe_s: float = 30.0
     # A second, plaintext port carrying only grpc.health.v1, for kubelet gRPC probes (which cannot
     # speak TLS); 0 = off. It answers health and nothing else, so it needs no token.
     health_port: int = 0
