@@ -64,8 +64,10 @@ class SignalStop:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
-        self.loop, self.stop = loop, stop
+    def __init__(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event, before_hard_exit=None):
+        """before_hard_exit: kills what would outlive the process (Ray's own processes fate-share with
+        the driver; a managed redis-server does not)."""
+        self.loop, self.stop, self.before_hard_exit = loop, stop, before_hard_exit
 
     def install(self) -> None:
         for sig in self.SIGNALS:
@@ -78,6 +80,9 @@ class SignalStop:
     def _on_signal(self, sig: int) -> None:
         if self.stop.is_set():
             print(f"specd: second {signal.Signals(sig).name}: exiting now", file=sys.stderr, flush=True)
+            if self.before_hard_exit is not None:
+                with contextlib.suppress(Exception):
+                    self.before_hard_exit()
             os._exit(128 + sig)
         log.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(sig).name)
         self.stop.set()
@@ -101,14 +106,14 @@ async def _serve(cfg: SpecdConfig, ready_callback) -> int:
     stop = asyncio.Event()
     in_main = threading.current_thread() is threading.main_thread()
 
-    signals = SignalStop(loop, stop)
+    res = _Resources(grace_s=cfg.server.shutdown_grace_s)
+    signals = SignalStop(loop, stop, before_hard_exit=lambda: _kill_children(res))
 
     def install_signals() -> None:
         if in_main:
             signals.install()
 
     install_signals()
-    res = _Resources(grace_s=cfg.server.shutdown_grace_s)
     stopper = asyncio.create_task(stop.wait())
     try:
         bring_up = asyncio.create_task(_bring_up(cfg, res, loop, stop, ready_callback, install_signals))
@@ -237,6 +242,12 @@ async def _poll_worker_stats(scheduler, metrics, online=None, online_metrics=Non
                 await poll_online(online, online_metrics)
         except Exception:  # a dying worker must not end the poller; the next poll tries again
             log.warning("worker stats poll failed", exc_info=True)
+
+
+def _kill_children(res: _Resources) -> None:
+    redis = getattr(res.online, "managed_redis", None)
+    if redis is not None and redis.proc is not None:
+        redis.proc.kill()
 
 
 async def _shut_down(res: _Resources) -> None:
