@@ -27,7 +27,7 @@ from workers.core.sampling import (
 )
 from workers.core.tree import TokenTree
 from workers.core.verify_chain import verify_chain
-from workers.core.verify_tree import verify_tree
+from workers.core.verify_tree import verify_trees
 from workers.engine.profile import profile_verify
 from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
 from workers.engine.types import Draft, NewRequest, VerifyResult
@@ -162,65 +162,76 @@ class TargetWorker:
 
     # ---- verification --------------------------------------------------------------------------
     def verify(self, drafts: list[Draft], return_hidden: bool = False) -> list[VerifyResult]:
-        """One target forward per group of requests; chains are batched, trees go one at a time.
+        """One target forward for the whole batch: chains, token trees and empty drafts together.
 
-        return_hidden fills VerifyResult.hidden: the hidden state that predicted each new token.
+        Without trees the forward is causal over [pending, drafts]; with any tree, every row goes
+        through one tree-masked forward (a chain is a path). return_hidden fills VerifyResult.hidden:
+        the hidden state that predicted each new token.
         """
         t0 = time.perf_counter()
         unknown = [d.request_id for d in drafts if d.request_id not in self.running]
         if unknown:
             raise KeyError(f"verify for requests that are not running: {unknown}")
-        chains = [d for d in drafts if d.parents is None]
-        trees = [d for d in drafts if d.parents is not None]
-        results: dict[str, VerifyResult] = {}
+        runs = [self.running[d.request_id] for d in drafts]
+        slots = [r.slot for r in runs]
+        starts = [self.runner.length(s) for s in slots]
+        drafts = [d if d.parents is None else _fit_tree(d, self.runner.max_seq_len - start - 1)
+                  for d, start in zip(drafts, starts, strict=True)]
+        inputs = [[r.pending, *d.tokens] for r, d in zip(runs, drafts, strict=True)]
         with torch.inference_mode():
+            if all(d.parents is None for d in drafts):
+                out = self.runner.extend(slots, inputs, return_hidden=return_hidden)
+            else:
+                parents = [[-1, *d.parents[1:]] if d.parents is not None else list(range(-1, len(d.tokens)))
+                           for d in drafts]
+                out = self.runner.extend_trees(slots, inputs, parents, return_hidden=return_hidden)
+            logits, hidden = out if return_hidden else (out, None)   # [b, n_max, vocab], [b, n_max, H]
+            p = self._probs(logits, [r.sampling for r in runs])       # [b, n_max, vocab]
+            chains = [i for i, d in enumerate(drafts) if d.parents is None]
+            trees = [i for i, d in enumerate(drafts) if d.parents is not None]
+            results: dict[int, VerifyResult] = {}
             if chains:
-                for res in self._verify_chains(chains, return_hidden):
-                    results[res.request_id] = res
-            for draft in trees:
-                results[draft.request_id] = self._verify_tree(draft, return_hidden)
+                results.update(self._verify_chains(chains, drafts, runs, starts, p, hidden))
+            if trees:
+                results.update(self._verify_trees(trees, drafts, runs, starts, p, hidden))
         seconds = time.perf_counter() - t0
         self._busy += seconds
         for res in results.values():
             res.verify_seconds = seconds
-        return [results[d.request_id] for d in drafts]
+        return [results[i] for i in range(len(drafts))]
 
     def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # logits [b, n, vocab] -> p [b, n, vocab], float32 so the accept ratios are computed exactly alike
         temperature, top_k, top_p = params_to_tensors(params, logits.device)
         return logits_to_probs(logits.float(), temperature, top_k, top_p)
 
-    def _verify_chains(self, drafts: list[Draft], return_hidden: bool) -> list[VerifyResult]:
-        runs = [self.running[d.request_id] for d in drafts]
-        slots = [r.slot for r in runs]
-        inputs = [[r.pending, *d.tokens] for r, d in zip(runs, drafts, strict=True)]
-        starts = [self.runner.length(s) for s in slots]
-        hidden = None
-        if return_hidden:
-            logits, hidden = self.runner.extend(slots, inputs, return_hidden=True)  # + [b, γmax+1, H]
-        else:
-            logits = self.runner.extend(slots, inputs)                   # [b, γmax+1, vocab]
-        p = self._probs(logits, [r.sampling for r in runs])              # [b, γmax+1, vocab]
-        gamma_max = p.shape[1] - 1
+    def _verify_chains(self, rows, drafts, runs, starts, p, hidden) -> dict[int, VerifyResult]:
+        """Rows `rows` of the batch are chains: verify them together, roll each cache back."""
+        chain = [drafts[i] for i in rows]
+        gamma_max = max(len(d.tokens) for d in chain)
+        if len(rows) < p.shape[0]:
+            p = p[rows]
+        p = p[:, : gamma_max + 1]                                         # [c, γmax+1, vocab]
         # Built from Python lists in one host-to-device copy each, on the device verification runs on.
-        num_drafts = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=p.device)
-        padded = [list(d.tokens) + [0] * (gamma_max - len(d.tokens)) for d in drafts]
-        draft_tokens = torch.tensor(padded, dtype=torch.long, device=p.device).view(len(drafts), gamma_max)
-        q = self._stack_q(drafts, gamma_max, p.shape[-1], draft_tokens, p.device)
-        out = verify_chain(draft_tokens, num_drafts, q, p, [r.generator for r in runs])
-        results = []
-        for i, (d, run) in enumerate(zip(drafts, runs, strict=True)):
-            accepted = int(out.num_accepted[i])
-            new_tokens = out.output_tokens[i, : accepted + 1].tolist()
+        num_drafts = torch.tensor([len(d.tokens) for d in chain], dtype=torch.long, device=p.device)
+        padded = [list(d.tokens) + [0] * (gamma_max - len(d.tokens)) for d in chain]
+        draft_tokens = torch.tensor(padded, dtype=torch.long, device=p.device).view(len(chain), gamma_max)
+        q = self._stack_q(chain, gamma_max, p.shape[-1], draft_tokens, p.device)
+        out = verify_chain(draft_tokens, num_drafts, q, p, [runs[i].generator for i in rows])
+        results = {}
+        for j, i in enumerate(rows):
+            d, run = drafts[i], runs[i]
+            accepted = int(out.num_accepted[j])
+            new_tokens = out.output_tokens[j, : accepted + 1].tolist()
             # keep the old pending token and the accepted drafts; the last emitted token becomes pending
             self.runner.rollback(run.slot, starts[i] + 1 + accepted)
             run.pending = new_tokens[-1]
             run.num_tokens += len(new_tokens)
-            res = VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bool(out.is_bonus[i]))
+            res = VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bool(out.is_bonus[j]))
             if hidden is not None:
                 # the states at [pending, accepted drafts] predicted [accepted drafts, recovered|bonus]
                 res.hidden = hidden[i, : accepted + 1].float().cpu()
-            results.append(res)
+            results[i] = res
         return results
 
     @staticmethod
@@ -239,35 +250,37 @@ class TargetWorker:
                 q[i, :n] = d.probs.to(device=device, dtype=torch.float32)
         return q
 
-    def _verify_tree(self, draft: Draft, return_hidden: bool) -> VerifyResult:
-        run = self.running[draft.request_id]
-        start = self.runner.length(run.slot)
-        draft = _fit_tree(draft, self.runner.max_seq_len - start - 1)
-        # The tree's structure lives on the host (the runner plans the forward from it)
-        tokens = torch.tensor([run.pending, *draft.tokens], dtype=torch.long, device="cpu")     # [n]
-        parents = torch.tensor([-1, *draft.parents[1:]], dtype=torch.long, device="cpu")        # [n]
-        tree = TokenTree(tokens=tokens, parents=parents)
-        # logits [n, vocab], hidden [n, H]
-        logits, hidden = self.runner.extend_tree(run.slot, tokens, parents, return_hidden=True)
-        p = self._probs(logits[None], [run.sampling])[0]                         # [n, vocab]
-        q = None
-        if draft.probs is not None:
-            q = torch.cat([p.new_zeros(1, p.shape[-1]), draft.probs.to(p.device, torch.float32)])  # [n, V]
-        out = verify_tree(tree, q, p, run.generator)
-        self.runner.keep_tree_path(run.slot, start, [0, *out.accepted_nodes])
-        run.pending = out.output_tokens[-1]
-        run.num_tokens += len(out.output_tokens)
-        return VerifyResult(
-            draft.request_id,
-            len(draft.tokens),
-            len(out.accepted_nodes),
-            list(out.output_tokens),
-            out.is_bonus,
-            accepted_nodes=list(out.accepted_nodes),
-            depth=int(tree.depth().max()),
-            # the root and each accepted node predicted the next token on the path
-            hidden=hidden[[0, *out.accepted_nodes]].float().cpu() if return_hidden else None,
-        )
+    def _verify_trees(self, rows, drafts, runs, starts, p, hidden) -> dict[int, VerifyResult]:
+        """Rows `rows` of the batch are token trees: verify them together, keep each accepted path."""
+        # The trees' structure lives on the host (the verifier walks it level by level)
+        host = torch.device("cpu")
+        trees = [TokenTree(tokens=torch.tensor([runs[i].pending, *drafts[i].tokens], device=host),
+                           parents=torch.tensor([-1, *drafts[i].parents[1:]], device=host))
+                 for i in rows]
+        vocab = p.shape[-1]
+        q_list = [None if drafts[i].probs is None
+                  else torch.cat([p.new_zeros(1, vocab), drafts[i].probs.to(p.device, torch.float32)])
+                  for i in rows]                                          # each [n, vocab], row 0 unread
+        p_list = [p[i, : len(t)] for i, t in zip(rows, trees, strict=True)]  # each [n, vocab]
+        outs = verify_trees(trees, q_list, p_list, [runs[i].generator for i in rows])
+        results = {}
+        for i, tree, out in zip(rows, trees, outs, strict=True):
+            d, run = drafts[i], runs[i]
+            self.runner.keep_tree_path(run.slot, starts[i], [0, *out.accepted_nodes])
+            run.pending = out.output_tokens[-1]
+            run.num_tokens += len(out.output_tokens)
+            results[i] = VerifyResult(
+                d.request_id,
+                len(d.tokens),
+                len(out.accepted_nodes),
+                list(out.output_tokens),
+                out.is_bonus,
+                accepted_nodes=list(out.accepted_nodes),
+                depth=int(tree.depth().max()),
+                # the root and each accepted node predicted the next token on the path
+                hidden=hidden[i, [0, *out.accepted_nodes]].float().cpu() if hidden is not None else None,
+            )
+        return results
 
 
 def _fit_tree(draft: Draft, room: int) -> Draft:

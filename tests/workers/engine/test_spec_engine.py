@@ -74,6 +74,30 @@ def test_greedy_output_equals_target_only(cfg, target, kind, spec):
     assert target.free_slots() == cfg.target.max_slots
 
 
+def test_mixed_batch_of_chains_trees_and_target_only_is_one_forward_per_step(cfg, target, monkeypatch):
+    base = _outputs(SpecEngine(target), _requests(SpecParams(enabled=False)))
+    specs = [SpecParams(gamma=3, tree_width=2), SpecParams(gamma=4), SpecParams(enabled=False),
+             SpecParams(gamma=2, tree_width=3)]
+    reqs = [NewRequest(f"m{i}", PROMPTS[i], GREEDY, 64, spec) for i, spec in enumerate(specs)]
+    forwards, verifies = [], []
+
+    def counted(fn, log):
+        def wrapper(*args, **kwargs):
+            log.append(1)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(target.runner, "extend", counted(target.runner.extend, forwards))
+    monkeypatch.setattr(target.runner, "extend_trees", counted(target.runner.extend_trees, forwards))
+    monkeypatch.setattr(target, "verify", counted(target.verify, verifies))
+    seqs = SpecEngine(target, _drafter(cfg, target)).generate(reqs, ignore_eos=True)
+    assert [s.output for s in seqs] == base
+    assert seqs[0].stats.drafted > sum(seqs[0].stats.gamma_history) - 1 > 0   # trees really drafted
+    assert seqs[2].stats.drafted == 0
+    assert len(forwards) == len(verifies) > 0            # every verify is one target forward
+    assert target.free_slots() == cfg.target.max_slots
+
+
 def test_seeded_sampling_is_reproducible_across_batches(cfg, target):
     drafter = _drafter(cfg, target)
     engine = SpecEngine(target, drafter)
