@@ -1,6 +1,6 @@
 """`specd bootstrap-drafter`: the default drafter, distilled from the target model on its own text.
 
-Recipe (what worked on this machine, see FACTS.md): the target's first `num_layers` layers, its
+Recipe (what worked on this machine): the target's first `num_layers` layers, its
 embedding (frozen), and a `head_vocab`-row head cut from the target head at the tokens the target
 itself emits most often; distilled with forward KL on the target's top-k log-probabilities.
 

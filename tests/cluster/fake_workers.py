@@ -202,13 +202,13 @@ class FakeDrafter:
             for item in items:
                 seq, last = self.running[item.request_id], self.last_draft[item.request_id]
                 # the commit must be the previous verify result of this very request
-                assert item.commit_tokens[: item.commit_accepted] == last[: item.commit_accepted]
-                if self.hidden and item.commit_tokens:
-                    assert torch.equal(item.commit_hidden, FakeTarget.hidden_of(item.commit_tokens))
-                    self.hidden_rows += len(item.commit_tokens)
+                assert item.commit_new_tokens[: item.commit_accepted] == last[: item.commit_accepted]
+                if self.hidden and item.commit_new_tokens:
+                    assert torch.equal(item.commit_hidden, FakeTarget.hidden_of(item.commit_new_tokens))
+                    self.hidden_rows += len(item.commit_new_tokens)
                 else:
                     assert item.commit_hidden is None
-                seq += item.commit_tokens
+                seq += item.commit_new_tokens
                 if self.target is not None:
                     assert seq == self.target.running[item.request_id], "drafter and target disagree"
                 tokens, t = [], seq[-1]

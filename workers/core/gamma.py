@@ -18,7 +18,8 @@ Policies:
   drafted at top-1 probability >= 0.6 match the target >= 78% of the time, below 0.2 only 12%), so this
   cuts the drafts that would be rejected anyway and lets confident runs go long.
 - adaptive: acceptance-adaptive (as in SmartSpec). From a per-request EMA of the per-token acceptance
-  α it picks the γ (and, for trees, the width) that maximises expected emitted tokens per unit of cost.
+  probability ρ it picks the γ (and, for trees, the width) that maximises expected emitted tokens per
+  unit of cost.
 - goodput: γ and tree width per request chosen for the whole batch's tokens per second from measured
   step costs and per-position acceptance (workers/core/goodput.py). The worker that drafts a batch calls
   `plan_batch`; `plan`/`plan_tree` then return the batch's choice (a lone request plans as a batch of one).
@@ -26,6 +27,10 @@ Policies:
 Bounds hold everywhere: γ is in [0, gamma_max], at least gamma_min when the budget allows, and never more
 than remaining_tokens - 1, because a step emits accepted + 1 tokens and must not overshoot max_new_tokens.
 Plain python/torch: no ray, grpc or redis.
+
+ρ, the smoothed chance that the next draft token is accepted (`GammaState.ema_acceptance`, or per
+position in `Acceptance`), is an estimate that steers γ; the reported acceptance rate is
+α = accepted / drafted (workers/core/stats.py).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from workers.core.goodput import Acceptance, CostProfile, GoodputController, Pla
 class GammaState:
     """Mutable per-request state of a γ policy."""
 
-    ema_acceptance: float = 0.5  # per-token acceptance α, EMA over steps
+    ema_acceptance: float = 0.5  # per-token acceptance ρ, EMA over steps
     ema_entropy: float = 0.0     # normalised drafter entropy, EMA over drafted tokens (egag)
     planned_gamma: int = 0       # budget of the current step, set by plan(); keep_drafting stops there
     planned_width: int = 1       # tree width of the current step, set by plan_tree()
@@ -54,17 +59,17 @@ class GammaState:
     batch_plan: tuple[int, int] | None = None  # goodput: (depth, width) chosen by plan_batch for this step
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Expected tokens emitted by one step of γ drafts with i.i.d. per-token acceptance α.
+def expected_tokens(rho: float, gamma: int) -> float:
+    """Expected tokens emitted by one step of γ drafts with i.i.d. per-token acceptance ρ.
 
-    1 + α + α² + ... + α^γ = (1 - α^(γ+1)) / (1 - α): the accepted prefix plus the recovered or bonus token.
+    1 + ρ + ρ² + ... + ρ^γ = (1 - ρ^(γ+1)) / (1 - ρ): the accepted prefix plus the recovered or bonus token.
     """
-    alpha = min(max(alpha, 0.0), 1.0)
+    rho = min(max(rho, 0.0), 1.0)
     if gamma <= 0:
         return 1.0
-    if alpha > 1.0 - 1e-9:
+    if rho > 1.0 - 1e-9:
         return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    return (1.0 - rho ** (gamma + 1)) / (1.0 - rho)
 
 
 def normalized_entropy(q: torch.Tensor) -> torch.Tensor:
@@ -152,8 +157,8 @@ class GammaPolicy(ABC):
     def observe(self, state: GammaState, drafted: int, accepted: int, depth: int | None = None) -> None:
         """Update the acceptance EMA after verification.
 
-        The per-token α of a step is accepted / (accepted + 1 if a draft was rejected else accepted): drafts
-        after the first rejection were never tried, so counting them (accepted / drafted) would bias α low.
+        The per-token ρ of a step is accepted / (accepted + 1 if a draft was rejected else accepted): drafts
+        after the first rejection were never tried, so counting them (accepted / drafted) would bias ρ low.
         depth is the most that could be accepted (chain: drafted, the default; tree: its depth).
         """
         if not 0 <= accepted <= drafted:
@@ -162,7 +167,7 @@ class GammaPolicy(ABC):
         reachable = drafted if depth is None else depth
         trials = accepted + (1 if accepted < reachable else 0)
         if trials == 0:
-            return  # nothing drafted: no evidence about α
+            return  # nothing drafted: no evidence about ρ
         beta = self.acceptance_beta
         state.ema_acceptance = beta * state.ema_acceptance + (1.0 - beta) * (accepted / trials)
 
@@ -274,13 +279,13 @@ def table_verify_cost(table: Sequence[float]) -> Callable[[int], float]:
 
 
 class AdaptiveGamma(GammaPolicy):
-    """Acceptance-adaptive γ (SmartSpec-like): maximise expected_tokens(α, γ) / cost(γ).
+    """Acceptance-adaptive γ (SmartSpec-like): maximise expected_tokens(ρ, γ) / cost(γ).
 
     cost(γ) = draft_cost_ratio * γ + verify_cost(γ), in units of one plain target decode step.
     verify_cost is a callable of the number of draft tokens, or a table of measured costs; the default is
     linear with verify_slope per draft token (on this CPU verifying 16 tokens costs about 2x verifying 1).
     For trees of width w and depth d we assume each level accepts one of w candidates with probability
-    1 - (1 - α)^w (optimistic: it treats candidates as independent), verify d * w nodes, and run d drafter
+    1 - (1 - ρ)^w (optimistic: it treats candidates as independent), verify d * w nodes, and run d drafter
     forwards over w tokens each, scaled like the verify cost. max_tree_nodes caps depth * width of branching
     trees (a chain is bounded by gamma_max alone).
     """
@@ -315,18 +320,18 @@ class AdaptiveGamma(GammaPolicy):
         forward_scale = self.verify_cost(width - 1) / self.verify_cost(0)
         return self.draft_cost_ratio * depth * forward_scale + self.verify_cost(depth * width)
 
-    def score(self, alpha: float, depth: int, width: int = 1) -> float:
+    def score(self, rho: float, depth: int, width: int = 1) -> float:
         """Expected emitted tokens per unit of cost."""
-        level_alpha = 1.0 - (1.0 - alpha) ** width
-        return expected_tokens(level_alpha, depth) / self.cost(depth, width)
+        level_rho = 1.0 - (1.0 - rho) ** width
+        return expected_tokens(level_rho, depth) / self.cost(depth, width)
 
-    def _best(self, alpha: float, lo: int, hi: int, max_width: int) -> tuple[int, int]:
+    def _best(self, rho: float, lo: int, hi: int, max_width: int) -> tuple[int, int]:
         best, best_score = (lo, 1), -math.inf
         for depth in range(lo, hi + 1):
             for width in range(1, (max_width if depth > 0 else 1) + 1):
                 if self.max_tree_nodes is not None and depth * width > self.max_tree_nodes and width > 1:
                     break
-                score = self.score(alpha, depth, width)
+                score = self.score(rho, depth, width)
                 if score > best_score + 1e-12:  # ties go to the cheaper (earlier) shape
                     best, best_score = (depth, width), score
         return best
@@ -351,7 +356,7 @@ PRIOR_PROFILE = CostProfile(verify={1: [0.03 * (1.0 + 0.07 * n) for n in range(9
 class GoodputGamma(GammaPolicy):
     """Goodput-maximising γ and tree width for a batch (SmartSpec; see workers/core/goodput.py).
 
-    Per request it keeps `Acceptance` (per-position α, seeded from position_prior, the drafter's measured
+    Per request it keeps `Acceptance` (per-position ρ, seeded from position_prior, the drafter's measured
     acceptance per position, or acceptance_prior everywhere). The controller (with the worker's measured
     cost model) is shared by every request of a worker: pass it in; the default uses a prior cost model.
     """
@@ -417,7 +422,7 @@ class GoodputGamma(GammaPolicy):
 
     def observe(self, state: GammaState, drafted: int, accepted: int, depth: int | None = None) -> None:
         super().observe(state, drafted, accepted, depth=depth)
-        # A tree level succeeds when any candidate does: the per-position α absorbs that (optimistic).
+        # A tree level succeeds when any candidate does: the per-position ρ absorbs that (optimistic).
         state.acceptance.observe(drafted if depth is None else depth, accepted)
 
 

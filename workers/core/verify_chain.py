@@ -1,6 +1,6 @@
 """Chain verification: accept a prefix of each request's drafted tokens, then emit one more token.
 
-Glossary (see shared/DESIGN.md):
+Glossary (README, "Glossary"):
 - drafted: the gamma tokens x_1..x_gamma the drafter proposed, x_i ~ q_i.
 - accepted: x_i is kept with probability min(1, p_i(x_i) / q_i(x_i)), left to right, until the first
   rejection.
@@ -57,7 +57,6 @@ def verify_chain(
     draft_probs: torch.Tensor | None,  # q [batch, gamma_max, vocab]; None = one-hot on each draft token
     target_probs: torch.Tensor,  # p [batch, gamma_max + 1, vocab], already through logits_to_probs
     generators: list[torch.Generator | None],  # one per row; None = torch's default generator
-    _skip_residual: bool = False,  # test-only: recover from p instead of max(0, p - q) (NOT exact)
 ) -> ChainVerifyOutput:
     batch, gamma_max = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -95,7 +94,7 @@ def verify_chain(
             q_last = torch.zeros_like(p_last).scatter(-1, rejected_token[:, None], 1.0)
         else:
             q_last = draft_probs[rows, last_draft_pos].to(p_last.dtype)
-    recover_from = p_last if _skip_residual else residual_weights(p_last, q_last)
+    recover_from = residual_weights(p_last, q_last)
     weights = torch.where(is_bonus[:, None], p_last, recover_from)
     last_token = sample_with_noise(weights, exponential_noise(generators, vocab, device))  # [batch]
 

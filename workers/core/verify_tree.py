@@ -1,6 +1,6 @@
 """Tree verification: walk down a token tree, accepting at most one child per node.
 
-Multi-step speculative sampling (SpecInfer; Stratos' notes §2.1). Start at the root with p = p(root).
+Multi-step speculative sampling (SpecInfer, Miao et al. 2024). Start at the root with p = p(root).
 At the current node, try its children one after another:
 - child c with token x, drafted from q_c, is accepted with probability min(1, p(x) / q_c(x));
   then move to c, set p = p(c), and repeat;
@@ -87,7 +87,6 @@ def verify_tree_batch(
     child_draft_probs: torch.Tensor | None,  # q_c [batch, n, vocab] per node (see module doc); None = one-hot
     target_probs: torch.Tensor,  # p [batch, n, vocab]: row i = distribution after the path to node i
     generators: list[torch.Generator | None],  # one per row; None = torch's default generator
-    _skip_residual: bool = False,  # test-only: keep p after a rejection instead of the residual (NOT exact)
 ) -> TreeBatchVerifyOutput:
     batch, n, vocab = target_probs.shape
     device = target_probs.device
@@ -130,11 +129,10 @@ def verify_tree_batch(
             q_x = q.gather(-1, x[:, None])[:, 0]
             accept = trying & (u[rows, safe_child] * q_x < p_x)  # probability min(1, p/q)
             chosen = torch.where(accept, child, chosen)
-            if not _skip_residual:
-                rejected = trying & ~accept
-                residual = residual_weights(p, q)
-                residual = residual / residual.sum(dim=-1, keepdim=True)
-                p = torch.where(rejected[:, None], residual, p)
+            rejected = trying & ~accept
+            residual = residual_weights(p, q)
+            residual = residual / residual.sum(dim=-1, keepdim=True)
+            p = torch.where(rejected[:, None], residual, p)
 
         moved = chosen >= 0
         stopping = searching & ~moved
@@ -169,7 +167,6 @@ def verify_tree(
     child_draft_probs: torch.Tensor | None,  # [n, vocab] or None (all children one-hot)
     target_probs: torch.Tensor,  # [n, vocab]
     generator: torch.Generator | None,
-    _skip_residual: bool = False,  # test-only, NOT exact
 ) -> TreeVerifyOutput:
     q = None if child_draft_probs is None else child_draft_probs[None]
     out = verify_tree_batch(
@@ -179,7 +176,6 @@ def verify_tree(
         q,
         target_probs[None],
         [generator],
-        _skip_residual=_skip_residual,
     )
     return out.row(0)
 
@@ -189,7 +185,6 @@ def verify_trees(
     child_draft_probs_list: list[torch.Tensor | None],  # each [n_b, vocab] or None (one-hot)
     target_probs_list: list[torch.Tensor],  # each [n_b, vocab]
     generators: list[torch.Generator | None],
-    _skip_residual: bool = False,  # test-only, NOT exact
 ) -> list[TreeVerifyOutput]:
     """A batch of trees of any shapes, padded and verified together."""
     device = target_probs_list[0].device
@@ -207,5 +202,5 @@ def verify_trees(
         for b, probs in enumerate(child_draft_probs_list):
             if probs is not None:
                 q[b, : probs.shape[0]] = probs
-    out = verify_tree_batch(tokens, parents, num_nodes, q, target_probs, generators, _skip_residual)
+    out = verify_tree_batch(tokens, parents, num_nodes, q, target_probs, generators)
     return [out.row(b) for b in range(batch)]

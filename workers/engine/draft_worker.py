@@ -200,12 +200,12 @@ class DraftWorker:
         planned = []
         for item in items:
             r = self.requests[item.request_id]
-            if item.commit_tokens:
+            if item.commit_new_tokens:
                 extra = {"hidden": item.commit_hidden} if self.drafter.uses_target_hidden else {}
-                self.drafter.commit(item.request_id, item.commit_accepted, item.commit_tokens, **extra)
+                self.drafter.commit(item.request_id, item.commit_accepted, item.commit_new_tokens, **extra)
                 r.policy.observe(r.state, r.last_drafted, item.commit_accepted, depth=r.last_depth)
                 self.positions.observe(r.last_depth or r.last_drafted, item.commit_accepted)
-                r.generated += len(item.commit_tokens)
+                r.generated += len(item.commit_new_tokens)
             planned.append((item, r, r.request.max_new_tokens - r.generated))
         self._plan_goodput(planned)
         chains: dict[str, list[tuple[DraftItem, _DraftRequest, int]]] = {}

@@ -52,7 +52,7 @@ class Sequence:
             self.request_id,
             gamma=self.gamma_cap(),
             commit_accepted=self._last_accepted,
-            commit_tokens=list(self._last_new),
+            commit_new_tokens=list(self._last_new),
             commit_hidden=self._last_hidden,
         )
         self._last_accepted, self._last_new, self._last_hidden = 0, [], None

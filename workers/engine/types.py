@@ -29,7 +29,7 @@ class FinishReason(StrEnum):
 class SpecParams:
     """Per-request speculation settings, already clamped to the operator's bounds."""
 
-    gamma: int = 4                # draft length budget (upper bound for the γ policy)
+    gamma: int = 3                # draft length budget (upper bound for the γ policy); = configs spec.gamma
     policy: str = "fixed"         # key of workers.core.gamma.GAMMA_POLICIES
     tree_width: int = 1           # 1 = chain; >1 = token tree with this many first-level children
     enabled: bool = True          # False = target-only decoding (the baseline)
@@ -54,8 +54,8 @@ class DraftItem:
     request_id: str
     gamma: int                                  # planned draft length; 0 = no drafting this step
     commit_accepted: int = 0                    # accepted drafts of the previous step
-    commit_tokens: list[int] = field(default_factory=list)  # accepted drafts + recovered/bonus token
-    commit_hidden: torch.Tensor | None = None   # [len(commit_tokens), hidden]: VerifyResult.hidden
+    commit_new_tokens: list[int] = field(default_factory=list)  # accepted drafts + recovered/bonus token
+    commit_hidden: torch.Tensor | None = None   # [len(commit_new_tokens), hidden]: VerifyResult.hidden
 
 
 @dataclass

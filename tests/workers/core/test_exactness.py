@@ -9,11 +9,11 @@ verifier that recovers from p instead of norm(max(0, p - q)), which shows it has
 
 import pytest
 import torch
+from reference_loop import speculative_generate
 from scipy.stats import chisquare
-from toy import ToyLM, encode, exact_distribution, greedy_decode
+from toy import ToyLM, encode, exact_distribution, greedy_decode, residual_skipped
 
 from workers.core.sampling import SamplingParams, sample
-from workers.core.speculate import speculative_generate
 from workers.core.verify_chain import verify_chain
 from workers.core.verify_tree import verify_tree_batch
 
@@ -45,7 +45,7 @@ def params_for(temperature, setting) -> SamplingParams:
     return SamplingParams(temperature=temperature, **SETTINGS[setting])
 
 
-def chain_samples(params, num, seed, gamma_max=3, deterministic_drafts=False, skip_residual=False):
+def chain_samples(params, num, seed, gamma_max=3, deterministic_drafts=False):
     """num continuations of LENGTH tokens by chain steps; each row drafts 0..gamma_max tokens a step."""
     torch.manual_seed(seed)
     start, end = len(PROMPT), len(PROMPT) + LENGTH
@@ -72,7 +72,6 @@ def chain_samples(params, num, seed, gamma_max=3, deterministic_drafts=False, sk
             None if deterministic_drafts else torch.stack(q_rows, 1),
             torch.stack(p_rows, 1),
             [None] * m,
-            _skip_residual=skip_residual,
         )
         append(seqs, length, active, out.output_tokens, out.num_accepted + 1)
     return seqs[:, start:end]
@@ -83,7 +82,7 @@ TREE_PARENTS = torch.tensor([-1, 0, 0, 0, 1, 2, 3])
 TREE_SIZES = torch.tensor([1, 4, 7])  # each step a row takes a root-only, one-level or full tree
 
 
-def tree_samples(params, num, seed, mode="iid", skip_residual=False):
+def tree_samples(params, num, seed, mode="iid"):
     """num continuations by tree steps. mode: children of the root drafted i.i.d. from q ("iid"),
     without replacement ("without_replacement"), or as the drafter's top-3 ("deterministic")."""
     torch.manual_seed(seed)
@@ -122,9 +121,7 @@ def tree_samples(params, num, seed, mode="iid", skip_residual=False):
         if mode != "deterministic":
             q = torch.stack([torch.zeros_like(q_root), *child_q, *grand_q], dim=1)  # [m, 7, vocab]
         num_nodes = TREE_SIZES[torch.randint(0, 3, (m,))]
-        out = verify_tree_batch(
-            tokens, TREE_PARENTS.expand(m, -1), num_nodes, q, target_probs, [None] * m, skip_residual
-        )
+        out = verify_tree_batch(tokens, TREE_PARENTS.expand(m, -1), num_nodes, q, target_probs, [None] * m)
         append(seqs, length, active, out.output_tokens, out.num_accepted + 1)
     return seqs[:, start:end]
 
@@ -199,7 +196,8 @@ def test_chain_with_deterministic_drafts_matches_target(setting):
 def test_skipping_the_residual_is_detected(sampler, temperature, setting):
     params = params_for(temperature, setting)
     exact = exact_distribution(TARGET, PROMPT, LENGTH, params)
-    broken = sampler(params, NUM_SAMPLES, seed=0, skip_residual=True)
+    with residual_skipped():
+        broken = sampler(params, NUM_SAMPLES, seed=0)
     right = sampler(params, NUM_SAMPLES, seed=0)
     assert chi_square_pvalue(broken, exact) < 1e-6
     assert total_variation(broken, exact) > 2 * total_variation(right, exact)

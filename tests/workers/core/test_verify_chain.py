@@ -1,4 +1,5 @@
 import torch
+from toy import residual_skipped
 
 from workers.core.sampling import make_generator
 from workers.core.verify_chain import truncate_at_stop, verify_chain
@@ -93,11 +94,9 @@ def test_recovered_token_comes_from_the_residual():
         right.add(
             verify_chain(torch.tensor([[2]]), torch.tensor([1]), q, p, [make_generator(seed)]).emitted(0)[0]
         )
-        broken.add(
-            verify_chain(
-                torch.tensor([[2]]), torch.tensor([1]), q, p, [make_generator(seed)], _skip_residual=True
-            ).emitted(0)[0]
-        )
+        with residual_skipped():
+            out = verify_chain(torch.tensor([[2]]), torch.tensor([1]), q, p, [make_generator(seed)])
+        broken.add(out.emitted(0)[0])
     assert right == {0}
     assert broken == {0, 1}
 

@@ -1,4 +1,5 @@
 import torch
+from toy import residual_skipped
 
 from workers.core.sampling import make_generator
 from workers.core.tree import TokenTree
@@ -70,7 +71,8 @@ def test_rejections_replace_p_by_the_residual():
     p = torch.tensor([[0.5, 0.0, 0.5], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     for seed in range(30):
         right = verify_tree(tree, q, p, make_generator(seed))
-        broken = verify_tree(tree, q, p, make_generator(seed), _skip_residual=True)
+        with residual_skipped():
+            broken = verify_tree(tree, q, p, make_generator(seed))
         assert right.output_tokens == [2] and not right.is_bonus
         assert broken.accepted_nodes == [2] and broken.output_tokens == [0, 1] and broken.is_bonus
 

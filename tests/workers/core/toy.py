@@ -6,6 +6,8 @@ under the same logits processing the verifier sees.
 """
 
 import itertools
+from contextlib import contextmanager
+from unittest import mock
 
 import torch
 
@@ -58,3 +60,15 @@ def greedy_decode(model: ToyLM, prompt: list[int], max_new_tokens: int) -> list[
     for _ in range(max_new_tokens):
         tokens.append(int(model.logits_fn(tokens)[-1].argmax()))
     return tokens[len(prompt) :]
+
+
+@contextmanager
+def residual_skipped():
+    """Break verification on purpose (NOT exact): after a rejection, recover from p instead of
+    norm(max(0, p - q)), in chains and trees. Tests use it to show they can fail."""
+    def p_only(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return p
+
+    with mock.patch("workers.core.verify_chain.residual_weights", p_only), \
+            mock.patch("workers.core.verify_tree.residual_weights", p_only):
+        yield

@@ -1,7 +1,8 @@
-"""A readable reference loop for speculative decoding (gpt-fast style), used by tests and demos.
+"""A readable reference loop for speculative decoding (gpt-fast style), used only by tests.
 
 No KV cache: every call recomputes the logits of the whole sequence, so the loop shows the algorithm
-and nothing else. The engine (workers/engine) does the same with caches, batching and rollback.
+and nothing else: the tests check the verifiers against it. The step the engine and the router run
+(workers/engine/step.py) does the same with caches, batching and rollback.
 
     target_logits_fn(tokens: list[int]) -> logits [len(tokens), vocab]   (row i predicts token i+1)
     draft_logits_fn(tokens: list[int])  -> logits [len(tokens), vocab]
