@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from bench.child import Events, add_request, child_main, finish_cell, groups, new_cell_result
-from bench.systems import SYSTEMS, specd_overrides
+from bench.systems import SYSTEMS, device_info, specd_overrides
 
 WARMUP_TOKENS = 8
 
@@ -106,7 +106,10 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             result["suffix_sources"] = suffix.stats()["sources"]
         events.flush()
         cells.append(finish_cell(result))
-    return {"cells": cells, "load_s": load_s, "drafter_version": drafter_version}
+    return {
+        "cells": cells, "load_s": load_s, "drafter_version": drafter_version,
+        "device": device_info(cfg.target.device),
+    }
 
 
 def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
@@ -114,20 +117,35 @@ def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from configs import load_config
+    from workers.engine.runner import resolve_dtype
+
+    system = SYSTEMS[job["system"]]
+    target = load_config(job.get("overrides", [])).target
+    device = target.device
     t0 = time.perf_counter()
     events.emit("phase", phase="loading")
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    dtype = resolve_dtype(target.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).to(device).eval()
+    static: dict[str, Any] = {}
+    if system.compiled:
+        # transformers' static cache keeps shapes fixed so the compiled forward is reused step to step.
+        static = {"cache_implementation": "static"}
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     load_s = time.perf_counter() - t0
     pad = job["pad_token_id"]
 
     def generate(prompts: list[list[int]], temperature: float, seed: int, n: int) -> list[list[int]]:
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)      # [b, width]
-        mask = torch.zeros(len(prompts), width, dtype=torch.long)          # [b, width]
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long, device="cpu")      # [b, width]
+        mask = torch.zeros(len(prompts), width, dtype=torch.long, device="cpu")          # [b, width]
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long, device="cpu")
             mask[i, width - len(p):] = 1
-        kwargs: dict[str, Any] = dict(max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, do_sample=False)
+        ids, mask = ids.to(device), mask.to(device)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=n, min_new_tokens=n, pad_token_id=pad, do_sample=False, **static
+        )
         if temperature > 0:
             # top_k=0 and top_p=1 switch off the truncations generate() may otherwise apply by default.
             kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -153,7 +171,7 @@ def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
                 add_request(result, output, wall, job["max_new_tokens"])
             events.tokens(sum(len(o) for o in outputs), force=True)
         cells.append(finish_cell(result))
-    return {"cells": cells, "load_s": load_s}
+    return {"cells": cells, "load_s": load_s, "device": device_info(device)}
 
 
 RUNNERS = {"specd": run_specd, "transformers": run_transformers}

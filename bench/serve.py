@@ -295,12 +295,14 @@ def run_bench(args: argparse.Namespace) -> int:
             results["in-process"] = run_in_process(overrides, prompt_ids, args.clients, args.max_new_tokens)
     figures = derived_figures(results)
     print(render(results, figures))
+    print("device: " + ", ".join(f"{k} {v}" for k, v in _device(overrides).items()))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"clients": args.clients, "requests": len(messages), "max_new_tokens": args.max_new_tokens,
                 "workloads": args.workloads, "overrides": overrides, "address": args.address,
-                "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs)}
+                "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs),
+                "device": _device(overrides)}
         path.write_text(json.dumps({"meta": meta, "phases": results, "figures": figures}, indent=2))
         print(f"wrote {path}")
     return 0
@@ -339,3 +341,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _device(overrides: list[str]) -> dict[str, Any]:
+    """The target's device as configured for the server, with the GPU's name on CUDA."""
+    from bench.systems import device_info
+    from configs import load_config
+
+    return device_info(load_config(overrides).target.device)

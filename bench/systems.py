@@ -48,6 +48,7 @@ class System:
     target_hidden: bool = True                  # specd model drafter: the one reading target hidden states
     vllm_speculative: dict[str, Any] | None = field(default=None, hash=False)
     extra_overrides: tuple[str, ...] = ()       # specd: config overrides the system needs
+    compiled: bool = False                      # transformers: static KV cache + torch.compile
 
     @property
     def speculative(self) -> bool:
@@ -71,6 +72,10 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("target-only", "specd", "our engine, autoregressive (no drafter)"),
         System("transformers", "transformers", "transformers generate(), same model dir"),
+        # Minutes of compilation per shape on a CPU, so only run when named (the GPU baseline).
+        System("transformers-compiled", "transformers",
+               "transformers generate() with its static cache and torch.compile (reduce-overhead)",
+               compiled=True),
         System("vllm", "vllm", "vLLM autoregressive"),
         System("vllm-ngram", "vllm", "vLLM + its ngram speculation (k=4, lookup 2..4)",
                vllm_speculative=VLLM_NGRAM),
@@ -131,3 +136,14 @@ def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
         # vLLM's proposer takes no per-request settings: γ budget and policy are the engine's.
         out += ["target.backend=vllm", f"spec.gamma={system.gamma}", f"spec.policy={system.policy}"]
     return out
+
+
+def device_info(device: str) -> dict[str, Any]:
+    """Which device a run used: for CUDA the GPU's name, so a result file says what it measured."""
+    import torch
+
+    info: dict[str, Any] = {"device": str(device)}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(str(device)).index or 0
+        info.update(gpu=torch.cuda.get_device_name(index), cuda=torch.version.cuda, torch=torch.__version__)
+    return info

@@ -20,7 +20,7 @@ from bench.engine import (
     run_bench,
 )
 from bench.serve import run_bench as run_serve_bench
-from bench.systems import SYSTEMS, specd_overrides
+from bench.systems import SYSTEMS, device_info, specd_overrides
 
 
 def parse(argv):
@@ -31,7 +31,7 @@ def parse(argv):
 
 def test_full_plan_is_the_issue_matrix():
     plan = resolve_plan(parse([]))
-    assert plan.systems == list(SYSTEMS) and len(plan.systems) == 18
+    assert plan.systems == [n for n in SYSTEMS if n != "transformers-compiled"] and len(plan.systems) == 18
     assert {"specd-goodput", "specd-goodput-tree", "specd-suffix", "specd-suffix-only"} <= set(plan.systems)
     assert {"specd-chain", "specd-chain-tokens"} <= set(plan.systems)
     assert {"vllm", "vllm-ngram", "vllm-specd-chain", "vllm-specd-ngram"} <= set(plan.systems)
@@ -120,7 +120,9 @@ def test_smoke_run_target_only_and_ngram(tmp_path):
                  "--temperatures", "0", "--num-prompts", "2", "--max-new-tokens", "8",
                  "--json", str(out), "--log-dir", str(tmp_path / "logs")])
     assert code == 0
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["meta"]["device"] == {"device": "cpu"}  # on CUDA it names the GPU
     assert [r["system"] for r in rows] == ["target-only", "specd-ngram"]
     for r in rows:
         assert r["generated_tokens"] == 16 and r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 100
@@ -129,6 +131,12 @@ def test_smoke_run_target_only_and_ngram(tmp_path):
     assert ngram["mean_accepted_length"] >= 1.0
     assert ngram["speedup_vs_target_only"] == pytest.approx(ngram["tokens_per_s"] / baseline["tokens_per_s"])
     assert ngram["greedy_agreement_vs_target_only"] == 1.0     # lossless: same greedy tokens
+
+
+def test_gpu_baseline_and_device_info():
+    compiled = SYSTEMS["transformers-compiled"]
+    assert compiled.runner == "transformers" and compiled.compiled and not SYSTEMS["transformers"].compiled
+    assert device_info("cpu") == {"device": "cpu"}  # no GPU name where there is no GPU
 
 
 def test_goodput_and_suffix_systems_select_their_policy_and_drafter():
