@@ -11,10 +11,10 @@ import time
 
 from configs import load_config
 from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
+from workers.engine.build import build_engine
 from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
 from workers.engine.types import NewRequest, SpecParams
+from workers.models.chat import ChatCodec
 from workers.models.loader import load_tokenizer
 
 DEMO_QUESTIONS = (
@@ -23,35 +23,27 @@ DEMO_QUESTIONS = (
 )
 
 
-def encode_chat(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 def run_demo(overrides: list[str], max_new_tokens: int, temperature: float) -> int:
     cfg = load_config(overrides)
+    if cfg.target.backend != "torch":
+        raise SystemExit(f"specd demo runs the in-process torch engine (target.backend={cfg.target.backend})")
     print(f"loading target ({cfg.target.backend}, {cfg.target.device}) ...", flush=True)
-    target = TargetWorker(cfg.target, seed=cfg.seed, cache_dir=cfg.cache_dir)
-    tokenizer = load_tokenizer(target.model_dir)
     print(f"loading drafter ({cfg.drafter.kind}) ...", flush=True)
-    drafter = DraftWorker(
-        cfg.drafter, cfg.spec, str(target.model_dir), seed=cfg.seed, cache_dir=cfg.cache_dir
-    )
-    prompts = [encode_chat(tokenizer, q) for q in DEMO_QUESTIONS]
+    engine = build_engine(cfg)
+    codec = ChatCodec(load_tokenizer(engine.target.model_dir))
+    prompts = [codec.render_chat([{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
 
     def requests(enabled: bool) -> list[NewRequest]:
-        spec = SpecParams(gamma=cfg.spec.gamma, policy=cfg.spec.policy, tree_width=cfg.spec.tree_width,
-                          enabled=enabled)
+        spec = SpecParams.from_config(cfg.spec, enabled=enabled)
         sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
         return [NewRequest(f"demo-{i}", p, sampling, max_new_tokens, spec) for i, p in enumerate(prompts)]
 
     runs = {}
-    for name, engine, enabled in (("target-only", SpecEngine(target), False),
-                                  ("speculative", SpecEngine(target, drafter), True)):
+    # Target-only runs on the same target worker, without the drafter.
+    for name, runner, enabled in (("target-only", SpecEngine(engine.target), False),
+                                  ("speculative", engine, True)):
         t0 = time.perf_counter()
-        seqs = engine.generate(requests(enabled), ignore_eos=True)
+        seqs = runner.generate(requests(enabled), ignore_eos=True)
         elapsed = time.perf_counter() - t0
         tokens = sum(len(s.output) for s in seqs)
         runs[name] = (seqs, tokens / elapsed)
@@ -59,7 +51,7 @@ def run_demo(overrides: list[str], max_new_tokens: int, temperature: float) -> i
     base, spec = runs["target-only"][0], runs["speculative"][0]
     for b, s in zip(base, spec, strict=True):
         print("-" * 72)
-        print(tokenizer.decode(s.output, skip_special_tokens=True).strip())
+        print(codec.decode(s.output).strip())
         st = s.stats
         print(f"[drafted {st.drafted}, accepted {st.accepted}, recovered {st.recovered}, bonus {st.bonus}, "
               f"α {st.acceptance_rate:.2f}, mean accepted length {st.mean_accepted_length:.2f}]")

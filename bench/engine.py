@@ -27,12 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.datasets import EXTRA_WORKLOADS, WORKLOADS, workload_prompts
 from bench.report import add_ratios, make_row, render_table, sort_rows, write_json, write_plot
 from bench.systems import SYSTEMS, System, device_info
 
-WORKLOADS = ("gsm8k", "humaneval")
-# Workloads run only when asked for by name (not in the full plan): repeat = bench/repetition.py
-EXTRA_WORKLOADS = ("repeat",)
 # Room after prompt + max_new_tokens for the largest verify forward (a tree's nodes) before rollback.
 SEQ_MARGIN = 32
 
@@ -94,18 +92,6 @@ def resolve_plan(args: argparse.Namespace) -> Plan:
     return plan
 
 
-def load_workload_prompts(workload: str, num_prompts: int, tokenizer) -> list[tuple[int, list[int]]]:
-    """(row index, chat-templated token ids) of the first `num_prompts` eval-split prompts."""
-    from drafter_trainer.data import encode_chat, load_split
-
-    if workload == "repeat":
-        from bench.repetition import repetition_prompts
-
-        return repetition_prompts(num_prompts, tokenizer)
-
-    return [(p.index, encode_chat(tokenizer, p)) for p in load_split(workload, "eval")[:num_prompts]]
-
-
 def kv_cache_bytes(model_dir: Path, max_seq_len: int, max_slots: int) -> int:
     """Bytes of a float32 KV cache of `max_slots` sequences of `max_seq_len` positions (our target's)."""
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -150,7 +136,7 @@ def build_jobs(
     cfg = load_config(overrides)
     model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
     tokenizer = load_tokenizer(model_dir)
-    prompts = {w: load_workload_prompts(w, plan.num_prompts, tokenizer) for w in plan.workloads}
+    prompts = {w: workload_prompts(w, plan.num_prompts, tokenizer) for w in plan.workloads}
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
     max_seq_len = -(-(longest + plan.max_new_tokens + SEQ_MARGIN) // 64) * 64
     max_batch = max(plan.batch_sizes)

@@ -33,7 +33,7 @@ DOMAINS = ("gsm8k", "humaneval")
 
 
 def stream_prompts(domains: tuple[str, ...], per_domain: int, split: str) -> list[tuple[str, Any]]:
-    from drafter_trainer.data import load_split
+    from workers.prompts import load_split
 
     out = []
     for d in domains:
@@ -48,7 +48,7 @@ async def run_stream(
     """Each request's domain, α, tokens and drafter versions, in submission order; failures counted."""
     from tqdm import tqdm
 
-    from drafter_trainer.data import chat_messages
+    from workers.prompts import chat_messages
 
     client = AsyncSpecdClient(address, timeout=3600)
     queue = list(enumerate(prompts))
@@ -125,30 +125,27 @@ def heldout_acceptance(
 ) -> dict[str, dict[str, float]]:
     """{domain: {"before", "after"}} α on eval prompts, in process: the starting drafter, then the version
     CURRENT names in `store` (None: no store, `after` left out)."""
+    from dataclasses import replace
+
     from configs import load_config
-    from drafter_trainer.data import encode_chat
     from workers.core.sampling import SamplingParams
-    from workers.engine.draft_worker import DraftWorker
-    from workers.engine.spec_engine import SpecEngine
-    from workers.engine.target_worker import TargetWorker
+    from workers.engine.build import build_engine
     from workers.engine.types import NewRequest, SpecParams
     from workers.models.loader import load_tokenizer
+    from workers.prompts import encode_prompt
 
     cfg = load_config(overrides)
-    target = TargetWorker(cfg.target, seed=cfg.seed, cache_dir=cfg.cache_dir)
-    drafter = DraftWorker(
-        cfg.drafter, cfg.spec, str(target.model_dir), seed=cfg.seed + 1, cache_dir=cfg.cache_dir
-    )
+    engine = build_engine(cfg, max_running=4)
+    target, drafter = engine.target, engine.drafter
     tokenizer = load_tokenizer(target.model_dir)
-    spec = SpecParams(gamma=cfg.spec.gamma, policy="fixed", tree_width=1)
+    spec = replace(SpecParams.from_config(cfg.spec, enabled=True), policy="fixed", tree_width=1)
     prompts = {
-        d: [encode_chat(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in DOMAINS
+        d: [encode_prompt(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in DOMAINS
     }
 
     def alpha(tag: str) -> dict[str, float]:
         out = {}
         for d, ids in prompts.items():
-            engine = SpecEngine(target, drafter, max_running=4)
             reqs = [
                 NewRequest(f"{tag}-{d}-{i}", p, SamplingParams(), max_new_tokens, spec)
                 for i, p in enumerate(ids)

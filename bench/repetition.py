@@ -19,7 +19,7 @@ EDITED = 1_000_000   # added to an edited copy's row index: its seed and its id 
 
 
 def edit(prompt):
-    """The small edit of one drafter_trainer.data.Prompt."""
+    """The small edit of one workers.prompts.Prompt."""
     if prompt.source == "gsm8k":
         text = re.sub(r"\d+", lambda m: str(int(m.group()) + 1), prompt.text, count=1)
     else:
@@ -29,12 +29,12 @@ def edit(prompt):
 
 def repetition_prompts(num_prompts: int, tokenizer) -> list[tuple[int, list[int]]]:
     """(row index, token ids) of num_prompts prompts: originals each followed by their edited copy."""
-    from drafter_trainer.data import encode_chat, load_split
+    from workers.prompts import encode_prompt, load_split
 
     sources = [load_split("gsm8k", "eval"), load_split("humaneval", "eval")]
     out = []
     for k in range(max(1, num_prompts // 2)):
         original = sources[k % 2][k // 2]
-        out.append((original.index, encode_chat(tokenizer, original)))
-        out.append((EDITED + original.index, encode_chat(tokenizer, edit(original))))
+        out.append((original.index, encode_prompt(tokenizer, original)))
+        out.append((EDITED + original.index, encode_prompt(tokenizer, edit(original))))
     return out[:max(num_prompts, 2)]

@@ -19,31 +19,17 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
     from configs import load_config
     from workers.core.sampling import SamplingParams
     from workers.drafters.base import SCRATCH_PREFIX
-    from workers.engine.draft_worker import DraftWorker
-    from workers.engine.spec_engine import SpecEngine
-    from workers.engine.target_worker import TargetWorker
+    from workers.engine.build import build_engine
     from workers.engine.types import NewRequest, SpecParams
 
     system = SYSTEMS[job["system"]]
     cfg = load_config(specd_overrides(system, job))
     t0 = time.perf_counter()
     events.emit("phase", phase="loading")
-    drafter = None
-    if system.backend == "vllm":
-        from workers.engine.vllm_engine import VllmEngine
-
-        engine = VllmEngine(cfg, speculation="specd" if system.spec_enabled else "none",
-                            max_running=job["max_batch"],
-                            llm_kwargs={"kv_cache_memory_bytes": job["vllm_kv_cache_bytes"]})
-        drafter_version = engine.version()
-    else:
-        target = TargetWorker(cfg.target, seed=cfg.seed, cache_dir=cfg.cache_dir)
-        drafter = None
-        if system.spec_enabled:
-            drafter = DraftWorker(cfg.drafter, cfg.spec, target.model_dir, seed=cfg.seed,
-                                  cache_dir=cfg.cache_dir)
-        engine = SpecEngine(target, drafter, max_running=job["max_batch"])
-        drafter_version = drafter.version() if drafter is not None else None
+    engine = build_engine(cfg, speculative=system.spec_enabled, max_running=job["max_batch"],
+                          vllm_kwargs={"kv_cache_memory_bytes": job["vllm_kv_cache_bytes"]})
+    drafter = engine.drafter if system.backend == "torch" else None
+    drafter_version = engine.version() if system.backend == "vllm" else drafter and drafter.version()
     spec = SpecParams(
         gamma=system.gamma, policy=system.policy, tree_width=system.tree_width, enabled=system.spec_enabled
     )

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.datasets import mixed_prompts
 from cluster.client import AsyncSpecdClient
 
 
@@ -132,19 +133,14 @@ def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: i
 
     from configs import load_config
     from workers.core.sampling import SamplingParams
-    from workers.engine.draft_worker import DraftWorker
-    from workers.engine.spec_engine import SpecEngine
-    from workers.engine.target_worker import TargetWorker
+    from workers.engine.build import build_engine
     from workers.engine.types import NewRequest, SpecParams
 
     cfg = load_config(overrides)
     # Like a Ray actor with num_cpus=n, which gets OMP_NUM_THREADS=n.
     torch.set_num_threads(cfg.target.num_threads or max(1, int(cfg.target.num_cpus)))
-    target = TargetWorker(cfg.target, seed=cfg.seed, cache_dir=cfg.cache_dir)
-    drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=cfg.seed + 1,
-                          cache_dir=cfg.cache_dir)
-    engine = SpecEngine(target, drafter, max_running=clients)
-    spec = SpecParams(gamma=cfg.spec.gamma, policy=cfg.spec.policy, tree_width=cfg.spec.tree_width)
+    engine = build_engine(cfg, max_running=clients)
+    spec = SpecParams.from_config(cfg.spec)
     engine.generate([NewRequest("warmup", prompt_ids[0], SamplingParams(), 4, spec)], ignore_eos=True)
     reqs = [NewRequest(f"bench-{i}", ids, SamplingParams(), max_new_tokens, spec)
             for i, ids in enumerate(prompt_ids)]
@@ -209,18 +205,6 @@ class ServerProcess:
         self.log.close()
 
 
-def load_bench_prompts(
-    workloads: list[str], n: int, model_dir: str
-) -> tuple[list[list[dict]], list[list[int]]]:
-    """Chat messages (what the clients send) and their token ids (what the in-process engine gets)."""
-    from drafter_trainer.data import chat_messages, encode_chat, load_prompts
-    from workers.models.loader import load_tokenizer
-
-    prompts = load_prompts("eval", workloads, limit=n)
-    tokenizer = load_tokenizer(model_dir)
-    return [chat_messages(p) for p in prompts], [encode_chat(tokenizer, p) for p in prompts]
-
-
 def render(results: dict[str, dict], figures: dict[str, Any]) -> str:
     lines = [f"{'phase':18s} {'tok/s':>7s} {'ttft p50':>9s} {'p90':>7s} {'p99':>7s} {'tpot p50':>9s} "
              f"{'p90':>7s} {'p99':>7s} {'α':>5s} {'MAL':>5s} {'busy T/D':>10s} {'overlap':>7s}"]
@@ -257,14 +241,14 @@ def derived_figures(results: dict[str, dict]) -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace) -> int:
     from configs import load_config
-    from workers.models.loader import ensure_target_model
+    from workers.models.loader import ensure_target_model, load_tokenizer
 
     if args.quick:
         args.requests, args.max_new_tokens = min(args.requests, 8), min(args.max_new_tokens, 32)
     overrides = list(args.overrides)
     cfg = load_config(overrides)
     model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
-    messages, prompt_ids = load_bench_prompts(args.workloads.split(","), args.requests, model_dir)
+    messages, prompt_ids = mixed_prompts(args.workloads.split(","), args.requests, load_tokenizer(model_dir))
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-serve-"))
     logs.mkdir(parents=True, exist_ok=True)
     serve_overrides = [*overrides, "server.port=0", "server.metrics_port=0",

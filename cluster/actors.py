@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from configs.schema import SpecdConfig
+from workers.engine.build import worker_seeds
 
 # A bundle must reserve something; an actor configured with no CPU and no GPU gets this sliver.
 _MIN_CPU = 0.01
@@ -164,12 +165,13 @@ def create_cluster(
     pg = create_placement_group(cfg, name=f"specd{tag}", node_gpus=gpus)
     replicas = []
     for i in range(cfg.target.replicas):
-        # Each replica gets its own seed so replicas do not draw identical random streams.
+        # Each replica gets its own seeds so replicas do not draw identical random streams.
+        target_seed, drafter_seed = worker_seeds(cfg.seed, i)
         target = target_remote.options(**target_actor_options(cfg, pg, i, tag, gpus)).remote(
-            cfg.target, cfg.seed + 2 * i, cfg.cache_dir
+            cfg.target, target_seed, cfg.cache_dir
         )
         drafter = drafter_remote.options(**drafter_actor_options(cfg, pg, i, tag, gpus)).remote(
-            cfg.drafter, cfg.spec, str(model_dir), cfg.seed + 2 * i + 1, cfg.cache_dir
+            cfg.drafter, cfg.spec, str(model_dir), drafter_seed, cfg.cache_dir
         )
         replicas.append(ReplicaActors(i, target, drafter))
     return Cluster(pg, replicas)

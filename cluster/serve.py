@@ -139,8 +139,9 @@ async def _bring_up(
     from cluster.metrics import SpecdMetrics
     from cluster.router import Backend, GrpcServer, SpecdServicer
     from cluster.scheduler import Scheduler
-    from cluster.validation import Bounds, HFCodec
+    from cluster.validation import Bounds
     from configs import flatten
+    from workers.models.chat import ChatCodec
     from workers.models.loader import ensure_target_model, load_tokenizer
 
     t0 = time.perf_counter()
@@ -154,7 +155,7 @@ async def _bring_up(
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
-    codec = HFCodec(await asyncio.to_thread(load_tokenizer, model_dir))
+    codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
     from cluster.first_start import ensure_serving_drafter
 
     await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
@@ -223,8 +224,7 @@ async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:
     """One short greedy request per replica (the dispatcher spreads them), so the first client does
     not pay for lazy initialisation in the workers."""
     prompt = codec.encode("Hello")
-    spec = SpecParams(gamma=cfg.spec.gamma, policy=cfg.spec.policy, tree_width=cfg.spec.tree_width,
-                      enabled=cfg.spec.enabled)
+    spec = SpecParams.from_config(cfg.spec)
     reqs = [NewRequest(f"warmup-{i}", prompt, SamplingParams(), 4, spec) for i in range(replicas)]
     for _, fin in await asyncio.gather(*[scheduler.generate(r, ignore_eos=True) for r in reqs]):
         if fin.reason == "error":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from configs.schema import SpecdConfig
 from proto.specd.v1 import serving_pb2
@@ -33,29 +33,11 @@ class InvalidRequest(ValueError):
 
 
 class TextCodec(Protocol):
-    """What the router needs from a tokenizer (the real one wraps transformers, tests use a toy)."""
+    """What the router needs from a tokenizer (the real one is workers/models/chat.py, tests use a toy)."""
 
     def encode(self, text: str) -> list[int]: ...
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
     def decode(self, token_ids: list[int]) -> str: ...
-
-
-class HFCodec:
-    """TextCodec over a transformers tokenizer with a chat template."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        # Render to text first: the tokenized return type of apply_chat_template differs across versions.
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,14 @@ from drafter_trainer.teacher import (
     cache_root,
     collect_teacher_data,
 )
+from workers.prompts import SOURCES
 
 
 @dataclass
 class BootstrapConfig:
     target_dir: str | None = None  # None: workers.models.loader.ensure_target_model()
     out_dir: str | None = None  # None: <cache_root>/drafters/boot-default
-    sources: tuple[str, ...] = data.SOURCES
+    sources: tuple[str, ...] = SOURCES
     num_prompts: int = 480  # train prompts the target continues
     num_eval_prompts: int = 24  # held-out eval prompts for the greedy match
     max_new_tokens: int = 160
@@ -153,7 +154,7 @@ def build_head_vocab(
 
 def train_corpus(tokenizer: Any, sources: Sequence[str]) -> list[torch.Tensor]:
     """Token ids of every train-split prompt with its reference answer (never the eval split)."""
-    texts = [p.text + "\n" + p.reference for p in data.load_prompts("train", sources)]
+    texts = [p.text + "\n" + p.reference for p in data.train_prompts(sources)]
     return [torch.tensor(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
@@ -249,7 +250,7 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
                 "train": len(train_ids),
                 "eval": len(eval_ids),
                 "sources": list(cfg.sources),
-                "splits": {s: data.SPLITS[s] for s in cfg.sources},
+                "splits": data.split_table(cfg.sources),
             },
             "teacher": {
                 "implementation": cfg.teacher,

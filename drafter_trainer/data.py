@@ -1,137 +1,33 @@
-"""Prompt data the project ships (GSM8K test, HumanEval) with fixed train/eval splits, and the chat template.
+"""The prompts a drafter learns from: the train split of the shipped prompt files, and the held-out
+prompts its training is checked on.
 
-The splits are fixed by row index so every component agrees on them without coordination:
-"train" prompts feed the drafter bootstrap and the online traffic a benchmark streams, "eval"
-prompts are held out for benchmarks and held-out acceptance. A drafter never trains on an eval prompt.
-
-    gsm8k      rows [0, 1000) train, [1000, 1319) eval
-    humaneval  rows [0, 120)  train, [120, 164)   eval
-
-The files live in <repo>/data (copied from ../shared with their licences); SPECD_DATA_DIR overrides that.
+Parsing, the split table and the chat turn are in workers/prompts.py, shared with the benchmarks
+(bench/datasets.py), which measure on the eval split only: the table keeps the two disjoint.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import Any
 
-SOURCES = ("gsm8k", "humaneval")
-SPLIT_NAMES = ("train", "eval")
-
-# source -> split -> [start, stop) row range. Changing these silently leaks eval prompts into
-# training data of drafters built before the change, so treat them as frozen.
-SPLITS: dict[str, dict[str, tuple[int, int]]] = {
-    "gsm8k": {"train": (0, 1000), "eval": (1000, 1319)},
-    "humaneval": {"train": (0, 120), "eval": (120, 164)},
-}
-
-_FILES = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl.gz"}
-
-HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{code}```"
+from workers.prompts import SOURCES, SPLITS, Prompt, encode_prompt, load_prompts
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt of a source file; `text` is the raw question or code stub, before any template."""
-
-    source: str  # "gsm8k" | "humaneval"
-    index: int  # row in the source file
-    text: str
-    reference: str  # the dataset's answer / canonical solution (never shown to the model)
-
-    @property
-    def id(self) -> str:
-        return f"{self.source}/{self.index}"
+def train_prompts(sources: Sequence[str] = SOURCES, limit: int | None = None) -> list[Prompt]:
+    """Train-split prompts, the sources evenly interleaved (any prefix keeps the mix)."""
+    return load_prompts("train", sources, limit=limit)
 
 
-def data_dir() -> Path:
-    env = os.environ.get("SPECD_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "data"
+def heldout_prompts(sources: Sequence[str] = SOURCES, limit: int | None = None) -> list[Prompt]:
+    """Eval-split prompts: never trained on, so a drafter's greedy match on them is an honest check."""
+    return load_prompts("eval", sources, limit=limit)
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt's chat turn in the target's template."""
+    return [encode_prompt(tokenizer, p) for p in prompts]
 
 
-def load_source(source: str, directory: str | Path | None = None) -> tuple[Prompt, ...]:
-    """Every row of one source file, in file order."""
-    if source not in _FILES:
-        raise ValueError(f"unknown prompt source {source!r}; known: {SOURCES}")
-    return _load_source(source, str(directory or data_dir()))
-
-
-@cache
-def _load_source(source: str, directory: str) -> tuple[Prompt, ...]:
-    rows = _read_rows(Path(directory) / _FILES[source])
-    if source == "gsm8k":
-        return tuple(Prompt(source, i, r["question"], r["answer"]) for i, r in enumerate(rows))
-    return tuple(Prompt(source, i, r["prompt"], r["canonical_solution"]) for i, r in enumerate(rows))
-
-
-def split_indices(source: str, split: str) -> range:
-    if split not in SPLIT_NAMES:
-        raise ValueError(f"unknown split {split!r}; known: {SPLIT_NAMES}")
-    start, stop = SPLITS[source][split]
-    return range(start, stop)
-
-
-def load_split(source: str, split: str, directory: str | Path | None = None) -> list[Prompt]:
-    rows = load_source(source, directory)
-    indices = split_indices(source, split)
-    if indices.stop > len(rows):
-        raise ValueError(f"{source} has {len(rows)} rows, split {split} needs {indices.stop}")
-    return [rows[i] for i in indices]
-
-
-def load_prompts(
-    split: str,
-    sources: Sequence[str] = SOURCES,
-    limit: int | None = None,
-    directory: str | Path | None = None,
-) -> list[Prompt]:
-    """Prompts of one split from several sources, evenly interleaved in proportion to source size.
-
-    Any prefix of the result is a proportional mix (e.g. the first 112 train prompts are about 100
-    GSM8K and 12 HumanEval), so `limit` keeps the mix instead of taking one source only. The order is
-    a pure function of the split table: deterministic, no random seed involved.
-    """
-    keyed = []
-    for s_rank, source in enumerate(sources):
-        prompts = load_split(source, split, directory)
-        for i, p in enumerate(prompts):
-            # Position of the prompt along its own source, in [0, 1); ties broken by source order.
-            keyed.append(((i + 0.5) / len(prompts), s_rank, p))
-    keyed.sort(key=lambda item: (item[0], item[1]))
-    mixed = [p for _, _, p in keyed]
-    return mixed if limit is None else mixed[:limit]
-
-
-def user_message(prompt: Prompt) -> str:
-    """The user turn the model sees: GSM8K questions verbatim, HumanEval stubs with an instruction."""
-    if prompt.source == "humaneval":
-        return HUMANEVAL_INSTRUCTION.format(code=prompt.text)
-    return prompt.text
-
-
-def chat_messages(prompt: Prompt) -> list[dict[str, str]]:
-    # No system turn: the target's own template inserts its default system prompt.
-    return [{"role": "user", "content": user_message(prompt)}]
-
-
-def chat_text(tokenizer: Any, prompt: Prompt) -> str:
-    """The templated prompt string, ending with the assistant header (generation starts after it)."""
-    return tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True, tokenize=False)
-
-
-def encode_chat(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """Token ids of the templated prompt. The template already holds the special tokens, so the
-    tokenizer must not add its own (a second BOS would change what the target sees)."""
-    return list(tokenizer(chat_text(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+def split_table(sources: Sequence[str]) -> dict[str, dict[str, tuple[int, int]]]:
+    """The row ranges of each source's splits, recorded in a drafter's metadata."""
+    return {s: SPLITS[s] for s in sources}

@@ -15,7 +15,6 @@ such a token, and verification stays exact because p/q is only ever evaluated on
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
@@ -28,9 +27,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from workers.drafters.versions import META_FILE, WEIGHTS_FILE, sha256_file
+
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-META_FILE = "specd_drafter.json"
 FORMAT_VERSION = 1
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -47,14 +46,6 @@ _DROP_CONFIG_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_pat
 
 class DrafterFormatError(ValueError):
     """The directory or the tensors do not form a valid drafter."""
-
-
-def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def make_drafter_config(target_config: Mapping[str, Any], num_layers: int, head_vocab: int) -> dict[str, Any]:

@@ -301,10 +301,10 @@ def collect_teacher_data(cfg: Any, teacher: Teacher | None = None, lap=None) -> 
     eos_ids = sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")} - {None})
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
-    train_prompts = data.load_prompts("train", cfg.sources, limit=cfg.num_prompts)
-    eval_prompts = data.load_prompts("eval", cfg.sources, limit=cfg.num_eval_prompts)
-    train_ids = [data.encode_chat(tokenizer, p) for p in train_prompts]
-    eval_ids = [data.encode_chat(tokenizer, p) for p in eval_prompts]
+    train_prompts = data.train_prompts(cfg.sources, limit=cfg.num_prompts)
+    eval_prompts = data.heldout_prompts(cfg.sources, limit=cfg.num_eval_prompts)
+    train_ids = data.encode_prompts(tokenizer, train_prompts)
+    eval_ids = data.encode_prompts(tokenizer, eval_prompts)
     # Every 1/sample_fraction-th prompt (deterministic) is sampled, so the mix holds for any prefix.
     n_sampled = round(len(train_ids) * cfg.sample_fraction)
     sampled_rows = {round(j / cfg.sample_fraction) for j in range(n_sampled)} if n_sampled else set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.client import build_request
-from cluster.validation import Bounds, HFCodec, InvalidRequest, validate_request
+from cluster.validation import Bounds, InvalidRequest, validate_request
 from configs.schema import SpecdConfig
 from proto.specd.v1 import serving_pb2
 
@@ -121,23 +121,6 @@ def test_bounds_from_config_and_target_info() -> None:
     b = Bounds.from_config(cfg, {"vocab_size": 49152, "max_seq_len": 1024})
     assert (b.vocab_size, b.max_seq_len, b.gamma_max, b.max_new_tokens_cap) == (49152, 1024, 8, 1024)
     assert {"fixed", "egag", "adaptive"} <= set(b.policies)
-
-
-def test_hf_codec_renders_chat_without_a_second_bos() -> None:
-    class Tok:
-        def __call__(self, text, add_special_tokens):
-            return {"input_ids": [99] * add_special_tokens + [len(text)]}
-
-        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-            assert add_generation_prompt and not tokenize
-            return "<s>" + messages[0]["content"]
-
-        def decode(self, ids, skip_special_tokens):
-            return str(ids)
-
-    codec = HFCodec(Tok())
-    assert codec.render_chat([{"role": "user", "content": "hey"}]) == [6]
-    assert codec.encode("hey") == [99, 3]
 
 
 def test_seed_range_edges() -> None:

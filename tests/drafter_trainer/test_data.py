@@ -1,88 +1,34 @@
-"""Shipped prompt data: fixed disjoint splits, deterministic mixing, chat templating."""
-
-import pytest
+"""The prompts a drafter learns from: the train split only, held-out prompts apart, templated once."""
 
 from drafter_trainer import data
+from workers import prompts
 
 
-@pytest.mark.parametrize("source, rows", [("gsm8k", 1319), ("humaneval", 164)])
-def test_sources_load_completely_and_splits_cover_them(source, rows):
-    prompts = data.load_source(source)
-    assert len(prompts) == rows
-    assert [p.index for p in prompts] == list(range(rows))
-    assert all(p.text and p.reference for p in prompts)
-    train, evaluation = data.split_indices(source, "train"), data.split_indices(source, "eval")
-    assert set(train).isdisjoint(evaluation)
-    assert set(train) | set(evaluation) == set(range(rows))
+def test_train_prompts_are_the_train_split_in_the_shared_mix():
+    train = data.train_prompts(limit=112)
+    assert [p.id for p in train] == [p.id for p in prompts.load_prompts("train", limit=112)]
+    for p in train:
+        assert p.index in prompts.split_indices(p.source, "train")
 
 
-def test_split_sizes_are_the_documented_ones():
-    sizes = {(s, split): len(data.load_split(s, split)) for s in data.SOURCES for split in data.SPLIT_NAMES}
-    assert sizes == {("gsm8k", "train"): 1000, ("gsm8k", "eval"): 319, ("humaneval", "train"): 120,
-                     ("humaneval", "eval"): 44}  # fmt: skip
+def test_heldout_prompts_are_never_trained_on():
+    held = data.heldout_prompts(("gsm8k", "humaneval"))
+    assert {p.id for p in held}.isdisjoint(p.id for p in data.train_prompts())
+    assert data.heldout_prompts(("gsm8k",), limit=1)[0].index == 1000
 
 
-def test_train_and_eval_prompts_are_disjoint_by_id_and_by_text():
-    train, evaluation = data.load_prompts("train"), data.load_prompts("eval")
-    assert len(train) == 1120 and len(evaluation) == 363
-    assert {p.id for p in train}.isdisjoint(p.id for p in evaluation)
-    assert {p.text for p in train}.isdisjoint(p.text for p in evaluation)
+def test_split_table_is_recorded_per_source():
+    assert data.split_table(("humaneval",)) == {"humaneval": {"train": (0, 120), "eval": (120, 164)}}
 
 
-def test_load_prompts_is_deterministic_and_a_prefix_is_a_proportional_mix():
-    first = data.load_prompts("train", limit=112)
-    assert [p.id for p in first] == [p.id for p in data.load_prompts("train", limit=112)]
-    assert [p.id for p in first] == [p.id for p in data.load_prompts("train")[:112]]
-    counts = {s: sum(p.source == s for p in first) for s in data.SOURCES}
-    assert counts == {"gsm8k": 100, "humaneval": 12}
-    # Within a source the file order is kept.
-    gsm = [p.index for p in first if p.source == "gsm8k"]
-    assert gsm == sorted(gsm) and gsm[0] == 0
+def test_encode_prompts_uses_the_shared_chat_turn():
+    class Tok:
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return "|".join(m["content"] for m in messages)
 
+        def __call__(self, text, add_special_tokens):
+            assert not add_special_tokens
+            return {"input_ids": [len(text)]}
 
-def test_eval_prompts_come_from_the_eval_ranges_only():
-    for p in data.load_prompts("eval", sources=("humaneval",)):
-        assert 120 <= p.index < 164
-    assert data.load_prompts("eval", sources=("gsm8k",), limit=1)[0].index == 1000
-
-
-def test_unknown_split_and_source_are_errors():
-    with pytest.raises(ValueError):
-        data.load_prompts("test")
-    with pytest.raises(ValueError):
-        data.load_source("mmlu")
-
-
-def test_data_dir_can_be_overridden(tmp_path, monkeypatch):
-    (tmp_path / "gsm8k_test.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
-    monkeypatch.setenv("SPECD_DATA_DIR", str(tmp_path))
-    assert data.data_dir() == tmp_path
-    assert [p.text for p in data.load_source("gsm8k")] == ["1+1?"]
-
-
-class TemplateTokenizer:
-    """Stands in for a transformers tokenizer: a toy chat template and a character-level encoder."""
-
-    def __init__(self):
-        self.add_special_tokens_seen = []
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert add_generation_prompt and not tokenize
-        body = "".join(f"<{m['role']}>{m['content']}</>" for m in messages)
-        return body + "<assistant>"
-
-    def __call__(self, text, add_special_tokens):
-        self.add_special_tokens_seen.append(add_special_tokens)
-        return {"input_ids": [ord(c) for c in text]}
-
-
-def test_chat_template_wraps_gsm8k_verbatim_and_humaneval_with_an_instruction():
-    tok = TemplateTokenizer()
-    question = data.load_split("gsm8k", "train")[0]
-    assert data.chat_text(tok, question) == f"<user>{question.text}</><assistant>"
-    stub = data.load_split("humaneval", "train")[0]
-    text = data.chat_text(tok, stub)
-    assert "Complete the following Python function" in text and stub.text in text
-    ids = data.encode_chat(tok, question)
-    assert ids == [ord(c) for c in data.chat_text(tok, question)]
-    assert tok.add_special_tokens_seen == [False]  # the template holds the special tokens already
+    question = data.train_prompts(("gsm8k",), limit=1)[0]
+    assert data.encode_prompts(Tok(), [question]) == [[len(question.text)]]

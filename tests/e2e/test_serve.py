@@ -122,11 +122,11 @@ def test_greedy_output_matches_transformers(server) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.validation import HFCodec
+    from workers.models.chat import ChatCodec
     from workers.models.loader import load_tokenizer
 
     model_dir = server["handle"].info["model_dir"]
-    ids = HFCodec(load_tokenizer(model_dir)).render_chat([{"role": "user", "content": PROMPTS[2]}])
+    ids = ChatCodec(load_tokenizer(model_dir)).render_chat([{"role": "user", "content": PROMPTS[2]}])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.inference_mode():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()

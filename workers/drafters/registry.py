@@ -35,8 +35,8 @@ def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
     return decorate
 
 
-def build_drafter(name: str, **cfg: Any) -> Drafter:
-    """Build the drafter registered under name with its config keys as keyword arguments."""
+def drafter_class(name: str) -> type[Drafter]:
+    """The Drafter subclass registered under name, importing workers.drafters.<name> on first use."""
     if name not in DRAFTERS:
         try:
             importlib.import_module(f"{__package__}.{name}")
@@ -46,4 +46,9 @@ def build_drafter(name: str, **cfg: Any) -> Drafter:
                 raise
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; known: {sorted(DRAFTERS)}")
-    return DRAFTERS[name](**cfg)
+    return DRAFTERS[name]
+
+
+def build_drafter(name: str, **cfg: Any) -> Drafter:
+    """Build the drafter registered under name with its config keys as keyword arguments."""
+    return drafter_class(name)(**cfg)

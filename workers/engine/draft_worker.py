@@ -15,13 +15,12 @@ per-position acceptance from what this worker's drafter has achieved so far.
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass
 
 from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
 from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
-from workers.drafters.registry import DRAFTERS
+from workers.drafters.registry import drafter_class
 from workers.engine.profile import profile_drafter
 from workers.engine.target_worker import resolve_device
 from workers.engine.types import Draft, DraftItem, NewRequest
@@ -72,7 +71,7 @@ class PositionCounts:
 class DraftWorker:
     def __init__(self, cfg, spec, target_model_dir: str, seed: int = 0, cache_dir: str | None = None):
         resolve_device(cfg.device)
-        self.drafter = _drafter_class(cfg.kind).from_config(
+        self.drafter = drafter_class(cfg.kind).from_config(
             cfg, target_model_dir=str(target_model_dir), cache_dir=cache_dir, seed=seed
         )
         self.spec = spec
@@ -295,15 +294,6 @@ class DraftWorker:
             probs = None if out.probs is None or not toks else out.probs[i, : len(toks)]
             parents = [-1, *pars] if toks else None
             drafts[item.request_id] = Draft(item.request_id, list(toks), probs, parents, out.drafter_version)
-
-
-def _drafter_class(kind: str):
-    if kind not in DRAFTERS:
-        # A drafter module registers itself on import (the registry's convention).
-        importlib.import_module(f"workers.drafters.{kind}")
-    if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter kind {kind!r}; known: {sorted(DRAFTERS)}")
-    return DRAFTERS[kind]
 
 
 def fit_tree(depth: int, width: int, room: int) -> tuple[int, int]:

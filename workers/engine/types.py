@@ -34,6 +34,12 @@ class SpecParams:
     tree_width: int = 1           # 1 = chain; >1 = token tree with this many first-level children
     enabled: bool = True          # False = target-only decoding (the baseline)
 
+    @classmethod
+    def from_config(cls, spec_cfg, enabled: bool | None = None) -> SpecParams:
+        """The operator's defaults (configs/schema.py SpecConfig); `enabled` overrides spec.enabled."""
+        return cls(gamma=spec_cfg.gamma, policy=spec_cfg.policy, tree_width=spec_cfg.tree_width,
+                   enabled=spec_cfg.enabled if enabled is None else enabled)
+
 
 @dataclass
 class NewRequest:

@@ -38,7 +38,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +132,7 @@ class SpecdProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
         # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.
-        self.spec = SpecParams(gamma=self.gamma, policy=spec_cfg.policy, tree_width=1, enabled=True)
+        self.spec = replace(SpecParams.from_config(spec_cfg, enabled=True), gamma=self.gamma, tree_width=1)
         self.tracked: dict[bytes, list[_Tracked]] = {}
         self._next_id = 0
         self._swap_mtime = self._swap_stat()

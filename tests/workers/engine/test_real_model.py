@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from configs import load_config
-from drafter_trainer.data import encode_chat, load_prompts
 from workers.core.sampling import SamplingParams
 from workers.engine.draft_worker import DraftWorker
 from workers.engine.spec_engine import SpecEngine
 from workers.engine.target_worker import TargetWorker
 from workers.engine.types import NewRequest, SpecParams
 from workers.models.loader import load_tokenizer
+from workers.prompts import encode_prompt, load_prompts
 
 NUM_PROMPTS, NEW_TOKENS = 20, 128
 TIE_MARGIN = 1e-3  # logits differing by less than this are a tie under float32 reordering
@@ -34,7 +34,7 @@ def target(real_target_dir):
 @pytest.fixture(scope="module")
 def prompts(real_target_dir):
     tok = load_tokenizer(real_target_dir)
-    return [encode_chat(tok, p) for p in load_prompts("eval", sources=("gsm8k",), limit=NUM_PROMPTS)]
+    return [encode_prompt(tok, p) for p in load_prompts("eval", sources=("gsm8k",), limit=NUM_PROMPTS)]
 
 
 def _top2_margin(target: TargetWorker, tokens: list[int]) -> float:

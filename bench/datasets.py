@@ -1,0 +1,35 @@
+"""The prompts benchmarks measure on: the eval split of GSM8K and HumanEval, in the target's chat template.
+
+Parsing and the split table are in workers/prompts.py, shared with the drafter trainer, which learns
+from the train split only (drafter_trainer/data.py): a benchmark never measures a drafter on a prompt
+it was trained on. The files are the repository's data/ (SPECD_DATA_DIR overrides it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from workers.prompts import SOURCES, chat_messages, encode_prompt, load_prompts, load_split
+
+WORKLOADS = SOURCES
+# Workloads run only when asked for by name (not in the full plan): repeat = bench/repetition.py
+EXTRA_WORKLOADS = ("repeat",)
+
+
+def workload_prompts(workload: str, num_prompts: int, tokenizer: Any) -> list[tuple[int, list[int]]]:
+    """(row index, chat-templated token ids) of the first `num_prompts` eval-split prompts of one workload."""
+    if workload == "repeat":
+        from bench.repetition import repetition_prompts
+
+        return repetition_prompts(num_prompts, tokenizer)
+    return [(p.index, encode_prompt(tokenizer, p)) for p in load_split(workload, "eval")[:num_prompts]]
+
+
+def mixed_prompts(
+    workloads: Sequence[str], num_prompts: int, tokenizer: Any
+) -> tuple[list[list[dict[str, str]]], list[list[int]]]:
+    """The first `num_prompts` eval-split prompts of several workloads, evenly interleaved: as chat
+    messages (what gRPC clients send) and as token ids (what an in-process engine gets)."""
+    prompts = load_prompts("eval", workloads, limit=num_prompts)
+    return [chat_messages(p) for p in prompts], [encode_prompt(tokenizer, p) for p in prompts]
