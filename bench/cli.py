@@ -1,22 +1,43 @@
-"""`specd bench`: one parser whose sub-commands are the benchmarks, each added by the module that runs it.
+"""`specd bench`: one parser whose sub-commands are the benchmarks, one module each.
 
-The `specd` CLI (cluster/cli.py) finds this module through the `specd.commands` entry point in
-pyproject.toml, so nothing in cluster/ imports bench/.
+A benchmark module has `add_arguments(parser)` and `run_bench(args) -> exit code`; this module gives it
+its `specd bench <name>` parser and its stand-alone entry (`python -m bench.<name>`). The `specd` CLI
+(cluster/cli.py) finds this module through the `specd.commands` entry point in pyproject.toml, so
+nothing in cluster/ imports bench/.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+from types import ModuleType
 
-from bench import engine, osd, serve
+# name: (module, one-line help)
+BENCHMARKS = {
+    "engine": ("bench.engine", "engine benchmark (no server): specd vs target-only, transformers and vLLM"),
+    "serve": ("bench.serve", "load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead"),
+    "osd": ("bench.osd", "online distillation: acceptance over a shifting stream"),
+}
 
-# Each module exposes add_cli(bench_subparsers), which adds its own `specd bench <name>` parser.
-BENCHMARKS = (engine, serve, osd)
+
+def configure(parser: argparse.ArgumentParser, module: ModuleType) -> argparse.ArgumentParser:
+    """A benchmark's arguments and entry on `parser`; its module docstring is the help text."""
+    parser.description = module.__doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run_bench)
+    return parser
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks", description="specd benchmarks")
     bench.set_defaults(func=lambda _args: bench.print_help())
     bench_subparsers = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-    for module in BENCHMARKS:
-        module.add_cli(bench_subparsers)
+    for name, (module, help_text) in BENCHMARKS.items():
+        configure(bench_subparsers.add_parser(name, help=help_text), importlib.import_module(module))
+
+
+def run_alone(name: str, module: ModuleType, argv: list[str] | None = None) -> int:
+    """One benchmark without the rest of the CLI (`python -m bench.<name>`, or a test)."""
+    args = configure(argparse.ArgumentParser(prog=f"specd bench {name}"), module).parse_args(argv)
+    return int(args.func(args) or 0)

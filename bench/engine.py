@@ -383,23 +383,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="config overrides for the specd systems, e.g. drafter.path=/x")
 
 
-def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    """`specd bench engine`, added under the `bench` parser (bench/cli.py)."""
-    parser = bench_subparsers.add_parser(
-        "engine", help="engine benchmark (no server): specd vs target-only, transformers and vLLM",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run_bench)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specd bench engine", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.set_defaults(func=run_bench)
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from bench.cli import run_alone
+
+    return run_alone("engine", sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

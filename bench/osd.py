@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -338,12 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. trainer.lr=3e-4")
 
 
-def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "osd",
-        help="online distillation: acceptance over a shifting stream",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run_bench)
+def main(argv: list[str] | None = None) -> int:
+    from bench.cli import run_alone
+
+    return run_alone("osd", sys.modules[__name__], argv)

@@ -306,21 +306,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. drafter.kind=ngram")
 
 
-def add_cli(bench_subparsers: argparse._SubParsersAction) -> None:
-    """`specd bench serve`, added under the `bench` parser (bench/cli.py)."""
-    parser = bench_subparsers.add_parser(
-        "serve", help="load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run_bench)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specd bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_bench(parser.parse_args(argv))
+    from bench.cli import run_alone
+
+    return run_alone("serve", sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
