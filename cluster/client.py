@@ -165,6 +165,14 @@ class Security:
 
         return client_channel_credentials(self.ca_file, self.cert_file, self.key_file)
 
+    def channel(self, address: str, api=grpc):
+        """A channel to `address` from `api` (grpc, or grpc.aio for the async client): TLS when
+        configured, plaintext otherwise."""
+        creds = self.credentials()
+        if creds is not None:
+            return api.secure_channel(address, creds, options=self.channel_args())
+        return api.insecure_channel(address, options=self.channel_args())
+
 
 class SpecdClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
@@ -172,9 +180,7 @@ class SpecdClient:
         self.address = address
         self.timeout = timeout
         sec = security or Security()
-        creds = sec.credentials()
-        self.channel = (grpc.secure_channel(address, creds, options=sec.channel_args()) if creds
-                        else grpc.insecure_channel(address, options=sec.channel_args()))
+        self.channel = sec.channel(address, grpc)
         self.metadata = sec.metadata()
         self.stub = serving_pb2_grpc.SpecdStub(self.channel)
         self.admin_stub = serving_pb2_grpc.SpecdAdminStub(self.channel)
@@ -239,9 +245,7 @@ class AsyncSpecdClient:
         self.address = address
         self.timeout = timeout
         sec = security or Security()
-        creds = sec.credentials()
-        self.channel = (grpc.aio.secure_channel(address, creds, options=sec.channel_args()) if creds
-                        else grpc.aio.insecure_channel(address, options=sec.channel_args()))
+        self.channel = sec.channel(address, grpc.aio)
         self.metadata = sec.metadata()
         self.stub = serving_pb2_grpc.SpecdStub(self.channel)
 

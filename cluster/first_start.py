@@ -45,7 +45,7 @@ def ensure_serving_drafter(cfg, model_dir: str) -> str | None:
         t0 = time.perf_counter()
         bootstrap_drafter(BootstrapConfig.quick(target_dir=str(model_dir), out_dir=str(token_dir),
                                                 hidden_out_dir=str(hidden_dir), target_hidden=hidden,
-                                                progress=False))
+                                                progress=True))
         log.info("quick drafter built in %.0f s", time.perf_counter() - t0)
     d.path = str(want)
     return d.path

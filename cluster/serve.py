@@ -134,15 +134,12 @@ async def _serve(cfg: SpecdConfig, ready_callback) -> int:
 async def _bring_up(
     cfg: SpecdConfig, res: _Resources, loop, stop: asyncio.Event, ready_callback, install_signals
 ) -> None:
-    from cluster import actors
     from cluster.auth import ServerSecurity
     from cluster.metrics import SpecdMetrics
     from cluster.router import Backend, GrpcServer, SpecdServicer
     from cluster.scheduler import Scheduler
     from cluster.validation import Bounds
     from configs import flatten
-    from workers.models.chat import ChatCodec
-    from workers.models.loader import ensure_target_model, load_tokenizer
 
     t0 = time.perf_counter()
     security = ServerSecurity.from_config(cfg.server)
@@ -152,18 +149,7 @@ async def _bring_up(
     await res.grpc.start()
     log.info("gRPC on %s (NOT_SERVING while loading)", res.grpc.address)
 
-    res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
-    install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
-    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
-    codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
-    from cluster.first_start import ensure_serving_drafter
-
-    await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
-    res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir))
-    await res.cluster.placement_group.ready()
-    infos = await asyncio.gather(*[r.target.info.remote() for r in res.cluster.replicas])
-    drafter_slots = await asyncio.gather(*[r.drafter.max_slots.remote() for r in res.cluster.replicas])
-    capacity = [min(int(i["max_slots"]), int(d)) for i, d in zip(infos, drafter_slots, strict=True)]
+    model_dir, codec, infos, capacity = await _start_workers(cfg, res, install_signals)
     info = infos[0]
     log.info("workers up after %.1f s: %s on %d replica(s)", time.perf_counter() - t0, info["model"],
              len(infos))
@@ -209,8 +195,7 @@ async def _bring_up(
     if cfg.server.health_probe_s > 0:
         from cluster.health_probe import HealthProber
 
-        spec = SpecParams(gamma=cfg.spec.gamma, policy=cfg.spec.policy, tree_width=cfg.spec.tree_width,
-                          enabled=cfg.spec.enabled)
+        spec = SpecParams.from_config(cfg.spec)
         prober = HealthProber(res.scheduler, codec.encode("Hello"), spec, res.grpc.set_serving,
                               cfg.server.health_probe_s, timeout_s=cfg.server.health_probe_s)
         res.tasks.append(asyncio.create_task(prober.run()))
@@ -218,6 +203,27 @@ async def _bring_up(
     print(f"specd serving {info['model']} on {res.grpc.address}{metrics_note}", flush=True)
     if ready_callback is not None:
         ready_callback(ServeHandle(res.grpc.address, res.grpc.port, metrics_port, info, loop, stop))
+
+
+async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
+    """Ray, the target model (converted once), a drafter to serve with, and every replica's actors;
+    returns (model dir, chat codec, each replica's target info, each replica's request capacity)."""
+    from cluster import actors
+    from cluster.first_start import ensure_serving_drafter
+    from workers.models.chat import ChatCodec
+    from workers.models.loader import ensure_target_model, load_tokenizer
+
+    res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
+    install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
+    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
+    codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
+    await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
+    res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir))
+    await res.cluster.placement_group.ready()
+    infos = await asyncio.gather(*[r.target.info.remote() for r in res.cluster.replicas])
+    drafter_slots = await asyncio.gather(*[r.drafter.max_slots.remote() for r in res.cluster.replicas])
+    capacity = [min(int(i["max_slots"]), int(d)) for i, d in zip(infos, drafter_slots, strict=True)]
+    return model_dir, codec, infos, capacity
 
 
 async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:

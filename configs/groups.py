@@ -1,13 +1,14 @@
 """Config groups an operator picks from: `specd serve drafter=ngram spec=tree spec.tree_width=3`.
 
-Each option of the section groups (model, drafter, spec, server) is a full structured config of its
-section, so picking one sets every key of that section to the preset and nothing else; keys after it
-(the yaml's own, then the command line's) still override single values. The cluster group's options
-touch only the placement keys of the ray, target and drafter sections, and come after the section
-groups in configs/config.yaml, so `cluster=ray` does not undo `model=...`.
+Each option of the section groups (model, drafter, spec, server, replay, trainer) is a full
+structured config of its section, so picking one sets every key of that section to the preset and
+nothing else; keys after it (the yaml's own, then the command line's) still override single values.
+The cluster group's options touch only the placement keys of the ray, target and drafter sections,
+and come after the section groups in configs/config.yaml, so `cluster=ray` does not undo `model=...`.
 
 The schema's defaults equal the default options (model=smollm2, drafter=hidden, spec=chain,
-server=local, cluster=local), so a yaml of one's own that lists only `specd_schema` gets them too.
+server=local, replay=embedded, trainer=osd, cluster=local), so a yaml of one's own that lists only
+`specd_schema` gets them too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from configs.schema import (
+    Divergence,
     DrafterConfig,
     DrafterKind,
     GammaPolicyName,
+    ReplayConfig,
     ServerConfig,
     SpecConfig,
     TargetConfig,
+    TrainerConfig,
+    TrainPositions,
 )
 
 MODEL = {
@@ -66,6 +71,27 @@ SERVER = {
     ),
 }
 
+REPLAY = {
+    # a redis-server specd starts itself on a free loopback port (generated password), stopped on exit
+    "embedded": ReplayConfig(),
+    # an operator's Redis: `replay=external replay.redis_url=rediss://redis:6380/0` (password from
+    # $SPECD_REDIS_PASSWORD), or the URL in $SPECD_REDIS_URL (the Helm chart sets it)
+    "external": ReplayConfig(redis_url="${oc.env:SPECD_REDIS_URL}"),
+    # no records: serving only, nothing for a trainer to learn from
+    "off": ReplayConfig(enabled=False),
+}
+
+TRAINER = {
+    # online distillation as in OSD: forward KL over every verified position
+    "osd": TrainerConfig(),
+    # the same, weighted toward positions whose draft the target rejected
+    "rejections": TrainerConfig(positions=TrainPositions.rejected),
+    # JSD between target and drafter (β from trainer.jsd_beta)
+    "jsd": TrainerConfig(divergence=Divergence.jsd),
+    # serve a frozen drafter
+    "off": TrainerConfig(enabled=False),
+}
+
 # Placement only (package _global_): which Ray, how many replicas, what each actor asks for.
 CLUSTER: dict[str, dict[str, Any]] = {
     "local": {"ray": {"address": None}},
@@ -88,6 +114,8 @@ GROUPS: dict[str, tuple[str, dict[str, Any]]] = {
     "drafter": ("drafter", DRAFTER),
     "spec": ("spec", SPEC),
     "server": ("server", SERVER),
+    "replay": ("replay", REPLAY),
+    "trainer": ("trainer", TRAINER),
     "cluster": ("_global_", CLUSTER),
 }
 

@@ -203,7 +203,7 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
     target_dir, tokenizer, vocab_size, eos_ids, pad_id = (
         td.target_dir, td.tokenizer, td.vocab_size, td.eos_ids, td.pad_id
     )
-    train_ids, eval_ids, sequences, cached_chunks = td.train_ids, td.eval_ids, td.sequences, td.cached_chunks
+    sequences = td.sequences
     train_seqs = sequences["train-greedy"] + sequences["train-sampled"]
     eval_seqs = sequences["eval-greedy"]
 
@@ -239,43 +239,7 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
     after = evaluate(student, eval_seqs, pad_id=pad_id)
     lap("eval after")
 
-    tail = history[-max(1, len(history) // 10) :]
-    n_generated = {name: sum(s.n_labels for s in seqs) for name, seqs in sequences.items()}
-    meta = {
-        "parent_version": None,
-        "target": target_dir.name,
-        "train": {
-            "recipe": "first layers, frozen target embeddings, frequent-token head, top-k forward KL",
-            "prompts": {
-                "train": len(train_ids),
-                "eval": len(eval_ids),
-                "sources": list(cfg.sources),
-                "splits": data.split_table(cfg.sources),
-            },
-            "teacher": {
-                "implementation": cfg.teacher,
-                "generated_tokens": n_generated,
-                "max_new_tokens": cfg.max_new_tokens,
-                "temperature_sampled": cfg.temperature,
-                "sample_fraction": cfg.sample_fraction,
-                "top_k_logprobs": cfg.top_k_logprobs,
-                "cached_chunks": cached_chunks,
-            },
-            "num_layers": cfg.num_layers,
-            "head_vocab": int(draft_vocab_ids.numel()),
-            "steps": steps,
-            "batch_size": cfg.batch_size,
-            "lr": cfg.lr,
-            "seed": cfg.seed,
-            "final_train_loss": round(sum(s.loss for s in tail) / len(tail), 4),
-            "eval_before": before.as_dict(),
-            "eval_after": after.as_dict(),
-            "greedy_match_before": round(before.greedy_match, 4),
-            "greedy_match_after": round(after.greedy_match, 4),
-            "timings_s": timings,
-            **cfg.extra_meta,
-        },
-    }
+    meta = _bootstrap_meta(cfg, td, draft_vocab_ids, steps, history, before, after, timings)
     out_dir = save_drafter(
         cfg.resolved_out_dir(),
         student.state_dict(),
@@ -297,6 +261,48 @@ def bootstrap_drafter(cfg: BootstrapConfig, teacher: Teacher | None = None) -> P
     if cfg.target_hidden:
         bootstrap_hidden_drafter(cfg, out_dir, td)
     return out_dir
+
+
+def _bootstrap_meta(cfg, td, draft_vocab_ids, steps, history, before, after, timings) -> dict:
+    """What specd_drafter.json records about a first-stage drafter: recipe, data, training, scores."""
+    sequences, target_dir = td.sequences, td.target_dir
+    tail = history[-max(1, len(history) // 10) :]
+    n_generated = {name: sum(s.n_labels for s in seqs) for name, seqs in sequences.items()}
+    return {
+        "parent_version": None,
+        "target": target_dir.name,
+        "train": {
+            "recipe": "first layers, frozen target embeddings, frequent-token head, top-k forward KL",
+            "prompts": {
+                "train": len(td.train_ids),
+                "eval": len(td.eval_ids),
+                "sources": list(cfg.sources),
+                "splits": data.split_table(cfg.sources),
+            },
+            "teacher": {
+                "implementation": cfg.teacher,
+                "generated_tokens": n_generated,
+                "max_new_tokens": cfg.max_new_tokens,
+                "temperature_sampled": cfg.temperature,
+                "sample_fraction": cfg.sample_fraction,
+                "top_k_logprobs": cfg.top_k_logprobs,
+                "cached_chunks": td.cached_chunks,
+            },
+            "num_layers": cfg.num_layers,
+            "head_vocab": int(draft_vocab_ids.numel()),
+            "steps": steps,
+            "batch_size": cfg.batch_size,
+            "lr": cfg.lr,
+            "seed": cfg.seed,
+            "final_train_loss": round(sum(s.loss for s in tail) / len(tail), 4),
+            "eval_before": before.as_dict(),
+            "eval_after": after.as_dict(),
+            "greedy_match_before": round(before.greedy_match, 4),
+            "greedy_match_after": round(after.greedy_match, 4),
+            "timings_s": timings,
+            **cfg.extra_meta,
+        },
+    }
 
 
 def build_arg_parser(add_help: bool = True) -> argparse.ArgumentParser:

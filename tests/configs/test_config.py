@@ -108,7 +108,12 @@ def test_groups_set_their_section_and_overrides_win() -> None:
     # cluster comes after model in the defaults: the preset's placement stays with model=hf
     cfg = load_config(["cluster=ray", "model=hf", "target.model_path=/m"])
     assert cfg.target.num_gpus == 1 and cfg.target.model_path == "/m"
-    assert set(GROUPS) == {"model", "drafter", "spec", "server", "cluster"}
+    assert set(GROUPS) == {"model", "drafter", "spec", "server", "replay", "trainer", "cluster"}
+    cfg = load_config(["replay=off", "trainer=rejections"])
+    assert cfg.replay.enabled is False and cfg.trainer.positions == "rejected" and cfg.trainer.enabled
+    assert load_config(["trainer=off"]).trainer.enabled is False
+    with pytest.raises(ConfigError, match="replay.redis_url"):
+        load_config(["replay=external"])
 
 
 def test_config_dir_and_name_with_a_yaml_of_ones_own(tmp_path) -> None:
