@@ -294,32 +294,36 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     print(f"plot: {plot}")
     if args.json:
-        out = {d: heldout[d] for d in DOMAINS}
-        doc = {
-            "before": {d: heldout[d]["before"] for d in DOMAINS},
-            "after": {d: heldout[d].get("after") for d in DOMAINS},
-            "failed_requests": failed,
-            "throughput_tokens_per_s": tput,
-            "throughput_ratio_on_off": round(tput["on"] / tput["off"], 4) if tput.get("off") else None,
-            "heldout": out,
-            "after_version": heldout.get("after_version"),
-            "meta": {
-                "requests_per_domain": args.requests_per_domain,
-                "heldout_per_domain": args.heldout,
-                "max_new_tokens": args.max_new_tokens,
-                "clients": args.clients,
-                "start_drafter": drafter,
-                "overrides": overrides,
-                "duration_s": round(time.time() - started, 1),
-                "work_dir": str(work),
-            },
-            "runs": runs,
-        }
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2))
-        print(f"wrote {path}")
+        write_json(Path(args.json), args, heldout, failed, tput, runs, drafter, overrides, started, work)
     return 0
+
+
+def write_json(path: Path, args, heldout, failed, tput, runs, drafter, overrides, started, work) -> None:
+    """--json: per-domain held-out acceptance before/after, failed requests, throughput on/off, runs."""
+    out = {d: heldout[d] for d in DOMAINS}
+    doc = {
+        "before": {d: heldout[d]["before"] for d in DOMAINS},
+        "after": {d: heldout[d].get("after") for d in DOMAINS},
+        "failed_requests": failed,
+        "throughput_tokens_per_s": tput,
+        "throughput_ratio_on_off": round(tput["on"] / tput["off"], 4) if tput.get("off") else None,
+        "heldout": out,
+        "after_version": heldout.get("after_version"),
+        "meta": {
+            "requests_per_domain": args.requests_per_domain,
+            "heldout_per_domain": args.heldout,
+            "max_new_tokens": args.max_new_tokens,
+            "clients": args.clients,
+            "start_drafter": drafter,
+            "overrides": overrides,
+            "duration_s": round(time.time() - started, 1),
+            "work_dir": str(work),
+        },
+        "runs": runs,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {path}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

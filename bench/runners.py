@@ -63,15 +63,7 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             order = (["base", "spec"] if g % 2 == 0 else ["spec", "base"]) if paired else ["spec"]
             for phase in order:
                 if phase == "base":
-                    off = SpecParams(enabled=False)
-                    base_requests = [
-                        NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, job["max_new_tokens"], off)
-                        for rid, p, sp in made
-                    ]
-                    start = time.perf_counter()
-                    base = engine.generate(base_requests, ignore_eos=True)
-                    result["paired_base_wall_s"] += time.perf_counter() - start
-                    result["paired_base_tokens"] += sum(len(s.output) for s in base)
+                    _run_paired_base(engine, made, job["max_new_tokens"], result)
                     continue
                 start = time.perf_counter()
                 mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
@@ -96,6 +88,20 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
         "cells": cells, "load_s": load_s, "drafter_version": drafter_version,
         "device": device_info(cfg.target.device),
     }
+
+
+def _run_paired_base(engine, made: list, max_new_tokens: int, result: dict[str, Any]) -> None:
+    """--paired: the same requests on the same engine with speculation off (scratch ids, so a drafter
+    that learns from traffic never sees them); adds their wall time and tokens to `result`."""
+    from workers.drafters.base import SCRATCH_PREFIX
+    from workers.engine.types import NewRequest, SpecParams
+
+    off = SpecParams(enabled=False)
+    requests = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, max_new_tokens, off) for rid, p, sp in made]
+    start = time.perf_counter()
+    base = engine.generate(requests, ignore_eos=True)
+    result["paired_base_wall_s"] += time.perf_counter() - start
+    result["paired_base_tokens"] += sum(len(s.output) for s in base)
 
 
 def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
