@@ -122,10 +122,12 @@ def swap_events(rows: list[dict | None]) -> list[dict]:
 
 
 def heldout_acceptance(
-    overrides: list[str], store: Path | None, per_domain: int, max_new_tokens: int
-) -> dict[str, dict[str, float]]:
-    """{domain: {"before", "after"}} α on eval prompts, in process: the starting drafter, then the version
-    CURRENT names in `store` (None: no store, `after` left out)."""
+    overrides: list[str], store: Path | None, per_domain: int, max_new_tokens: int,
+    after: dict[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """{domain: {"before", "after", "after_version", "final"}}: α on eval prompts, in process, with the
+    starting drafter (`before`), with `after[domain]` (the version serving when that domain's stream
+    ended) and with the version CURRENT names in `store` at the end (`final`). No store: before only."""
     from dataclasses import replace
 
     from configs import load_config
@@ -144,29 +146,46 @@ def heldout_acceptance(
         d: [encode_prompt(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in DOMAINS
     }
 
-    def alpha(tag: str) -> dict[str, float]:
-        out = {}
-        for d, ids in prompts.items():
-            reqs = [
-                NewRequest(f"{tag}-{d}-{i}", p, SamplingParams(), max_new_tokens, spec)
-                for i, p in enumerate(ids)
-            ]
-            seqs = engine.generate(reqs, ignore_eos=True)
-            drafted = sum(s.stats.drafted for s in seqs)
-            out[d] = sum(s.stats.accepted for s in seqs) / drafted if drafted else 0.0
-        return out
+    def alpha(tag: str, domain: str) -> float:
+        reqs = [
+            NewRequest(f"{tag}-{domain}-{i}", p, SamplingParams(), max_new_tokens, spec)
+            for i, p in enumerate(prompts[domain])
+        ]
+        seqs = engine.generate(reqs, ignore_eos=True)
+        drafted = sum(s.stats.drafted for s in seqs)
+        return round(sum(s.stats.accepted for s in seqs) / drafted, 4) if drafted else 0.0
 
-    before = alpha("before")
-    result = {d: {"before": round(before[d], 4)} for d in DOMAINS}
-    if store is not None and (store / "CURRENT").is_file():
-        drafter.watch_versions(str(store), str(target.model_dir), poll_s=3600)
+    def serve_version(version: str | None) -> str:
+        """Pin `version` (None: CURRENT) and apply it between "steps"; returns the version serving."""
+        drafter._swapper.pin = version
         drafter._swapper.check()
-        drafter.propose([])  # applies the parked version between "steps"
-        after = alpha("after")
-        for d in DOMAINS:
-            result[d]["after"] = round(after[d], 4)
-        result["after_version"] = drafter.version()
+        drafter.propose([])
+        return drafter.version()
+
+    result: dict[str, dict[str, Any]] = {d: {"before": alpha("before", d)} for d in DOMAINS}
+    if store is None or not (store / "CURRENT").is_file():
+        return result
+    drafter.watch_versions(str(store), str(target.model_dir), poll_s=3600)
+    for d in DOMAINS:
+        if after and after.get(d):
+            result[d]["after_version"] = serve_version(after[d])
+            result[d]["after"] = alpha("after", d)
+    final = serve_version(None)
+    for d in DOMAINS:
+        result[d]["final_version"] = final
+        result[d]["final"] = alpha("final", d)
+        result[d].setdefault("after_version", final)
+        result[d].setdefault("after", result[d]["final"])
     return result
+
+
+def serving_at_domain_end(rows: list[dict | None]) -> dict[str, str]:
+    """The drafter version that drafted the last request of each domain's stream segment."""
+    out: dict[str, str] = {}
+    for r in rows:
+        if r and r.get("versions"):
+            out[r["domain"]] = r["versions"][-1]
+    return out
 
 
 def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> str:
@@ -260,7 +279,9 @@ def run_bench(args: argparse.Namespace) -> int:
     for mode in args.modes.split(","):
         store = work / f"store-{mode}"
         server = ServerProcess(
-            [*base, f"trainer.enabled={'true' if mode == 'on' else 'false'}", f"trainer.out_dir={store}"],
+            # every version stays on disk, so the one serving when a domain ended can be evaluated
+            [*base, f"trainer.enabled={'true' if mode == 'on' else 'false'}", f"trainer.out_dir={store}",
+             "trainer.keep_versions=1000"],
             work / f"server-{mode}.log",
         )
         try:
@@ -278,6 +299,7 @@ def run_bench(args: argparse.Namespace) -> int:
         on_store,
         args.heldout,
         args.max_new_tokens,
+        serving_at_domain_end(runs["on"]["requests"]) if "on" in runs else None,
     )
     failed = sum(r["failed_requests"] for r in runs.values())
     tput = {m: round(r["tokens_per_s"], 3) for m, r in runs.items()}
@@ -304,11 +326,11 @@ def write_json(path: Path, args, heldout, failed, tput, runs, drafter, overrides
     doc = {
         "before": {d: heldout[d]["before"] for d in DOMAINS},
         "after": {d: heldout[d].get("after") for d in DOMAINS},
+        "final": {d: heldout[d].get("final") for d in DOMAINS},
         "failed_requests": failed,
         "throughput_tokens_per_s": tput,
         "throughput_ratio_on_off": round(tput["on"] / tput["off"], 4) if tput.get("off") else None,
         "heldout": out,
-        "after_version": heldout.get("after_version"),
         "meta": {
             "requests_per_domain": args.requests_per_domain,
             "heldout_per_domain": args.heldout,

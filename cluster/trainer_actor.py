@@ -30,6 +30,17 @@ def store_root(cfg) -> Path:
     return Path(cfg.cache_dir or default_cache_dir()) / "drafters" / "online"
 
 
+def lower_priority(tcfg) -> None:
+    """Where the trainer shares CPUs with serving (this machine), serving comes first. Called before torch
+    starts its thread pool, whose threads inherit it (Linux applies both per thread)."""
+    if tcfg.nice:
+        os.nice(tcfg.nice)
+    if tcfg.sched_idle and tcfg.device == "cpu" and hasattr(os, "SCHED_IDLE"):
+        # With nice 10 alone the trainer still took about half a core beside a busy server on this
+        # 2-core machine; under SCHED_IDLE it runs only on what serving leaves idle.
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def build_trainer(cfg, endpoint: RedisEndpoint):
     """An OnlineTrainer for `cfg` (configs.schema.SpecdConfig) reading the stream at `endpoint`."""
     import torch
@@ -56,10 +67,10 @@ class TrainerActor:
     """Runs OnlineTrainer.poll() on a thread; Ray calls stats() and stop() while it runs."""
 
     def __init__(self, cfg, endpoint: RedisEndpoint):
-        if cfg.trainer.nice:
-            # Before torch starts its thread pool, which inherits it: where the trainer shares CPUs with
-            # serving (this machine), serving comes first. Linux applies it per thread.
-            os.nice(cfg.trainer.nice)
+        # A Ray worker process has no logging set up: without this the trainer's rounds, publishes and
+        # rollbacks would not reach its log file (the worker-*.err of this actor).
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        lower_priority(cfg.trainer)
         self.trainer = build_trainer(cfg, endpoint)
         self._stop = threading.Event()
         self._error: str | None = None
@@ -109,8 +120,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print("specd train needs replay.redis_url=redis://HOST:PORT/0 (password in $"
               f"{cfg.replay.password_env})", flush=True)
         return 2
-    if cfg.trainer.nice:
-        os.nice(cfg.trainer.nice)
+    lower_priority(cfg.trainer)
     trainer = build_trainer(cfg, endpoint_from_config(cfg.replay))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -243,6 +243,8 @@ class TrainerConfig:
     num_gpus: float = 0.0               # Ray GPUs of the trainer actor
     resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
     nice: int = 10                      # CPU priority of the trainer (0 = as serving): serving comes first
+    # Linux, CPU trainer: run it under SCHED_IDLE, so it gets only the CPU time serving leaves idle
+    sched_idle: bool = True
     group: str = "specd-trainer"        # Redis consumer group: a restarted trainer resumes from it
     consumer: str = "trainer-0"         # Redis consumer name within the group
     divergence: Divergence = Divergence.forward_kl    # forward_kl | reverse_kl | jsd | tvd

@@ -194,6 +194,11 @@ class OnlineTrainer:
         self._last_update = time.monotonic()
         published = self.gate_and_publish()
         self.source.ack(consumed)
+        s = self.stats
+        log.info("trainer: update %d: %d records seen, %d in the buffer, loss %.4f, gate candidate %s vs "
+                 "serving %s: %s", s.updates, s.records_seen, len(self.buffer), s.last_loss,
+                 s.gate_candidate.get("expected_acceptance"), s.gate_serving.get("expected_acceptance"),
+                 f"published {published}" if published else "kept " + s.serving_version)
         return published
 
     def gate_and_publish(self) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.osd import DOMAINS, stream_prompts, swap_events, write_plot
+from bench.osd import DOMAINS, serving_at_domain_end, stream_prompts, swap_events, write_plot
 
 
 def test_stream_is_gsm8k_then_humaneval_from_the_train_split() -> None:
@@ -24,3 +24,12 @@ def test_plot_is_written(tmp_path) -> None:
            "swaps": [{"index": 4, "version": "b"}]}
     path = write_plot(tmp_path / "osd.png", {"on": run, "off": run}, 5, "t")
     assert path.stat().st_size > 1000
+
+
+def test_the_version_serving_when_each_domain_ended_is_its_last_requests_newest() -> None:
+    rows = [{"index": 0, "domain": "gsm8k", "versions": ["a"]},
+            {"index": 1, "domain": "gsm8k", "versions": ["a", "b"]},
+            {"index": 2, "domain": "gsm8k", "error": "x"},
+            {"index": 3, "domain": "humaneval", "versions": ["b"]}, None,
+            {"index": 5, "domain": "humaneval", "versions": ["b", "c"]}]
+    assert serving_at_domain_end(rows) == {"gsm8k": "b", "humaneval": "c"}

@@ -1,0 +1,117 @@
+"""Replay a recorded stream through the online trainer, offline, to choose its settings.
+
+The online trainer (drafter_trainer/online.py) sees records in stream order and trains every
+`update_every_records`; this script feeds it the records of a Redis stream in the same order, without a
+server, and scores the candidate after each update round on held-out records of each domain (the gate's
+expected acceptance Σ min(p, q) at the first γ positions). Every record is teacher-labelled once and the
+labelled records are shared by all the settings tried, so comparing settings costs training time only.
+
+    python scripts/osd_replay.py --redis redis://127.0.0.1:6399 \
+        --drafter ~/.cache/specd/drafters/boot-quick-hidden \
+        --try trainer.lr=1e-4 --try trainer.lr=5e-4,trainer.steps_per_update=32
+
+Records come from any run with replay on and `replay.redis_url` set (e.g. `specd bench osd --modes off
+replay.redis_url=...`). Prints one table row per update round and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from configs import load_config
+from drafter_trainer.gate import score
+from drafter_trainer.online import OnlineTrainer
+from drafter_trainer.online_data import TargetTeacher, is_held_out, make_example
+from drafter_trainer.replay_source import RECORD_FIELD
+from proto.replay_codec import decode_record
+from workers.models.loader import ensure_target_model
+
+
+class _NoSource:
+    """The trainer's replay source, for a trainer that is fed by hand."""
+
+    def ensure_group(self) -> None:
+        pass
+
+    def ack(self, ids) -> None:
+        pass
+
+
+def load_records(url: str, stream: str) -> list[tuple[str, object]]:
+    import redis
+
+    r = redis.Redis.from_url(url)
+    return [(eid.decode(), decode_record(fields[RECORD_FIELD])) for eid, fields in r.xrange(stream)]
+
+
+def label_all(records, teacher, cfg, need_hidden: bool):
+    out = []
+    for eid, rec in tqdm(records, desc="teacher labels", unit="rec"):
+        ex = make_example(eid, rec, teacher, positions=cfg.positions, accepted_weight=cfg.accepted_weight,
+                          need_hidden=need_hidden)
+        if ex is not None:
+            out.append(ex)
+    return out
+
+
+def replay(examples, setting: list[str], base_overrides: list[str], target_dir: str, drafter: str,
+           teacher) -> list[dict]:
+    cfg = load_config([*base_overrides, *setting]).trainer
+    holdout = {}
+    for e in examples:
+        if is_held_out(e.entry_id, cfg.holdout_every):
+            holdout.setdefault(e.domain, []).append(e)
+    with tempfile.TemporaryDirectory() as store:
+        trainer = OnlineTrainer(cfg, _NoSource(), target_dir, drafter, store, teacher=teacher)
+        rows = [_row(trainer, holdout, cfg.gate_gamma, 0)]
+        new = 0
+        for i, e in enumerate(examples, 1):
+            if is_held_out(e.entry_id, cfg.holdout_every):
+                trainer.holdout.append(e)
+                continue
+            trainer.buffer.append(e)
+            new += 1
+            if new >= cfg.update_every_records:
+                trainer.train_steps(cfg.steps_per_update)
+                trainer.gate_and_publish()
+                new = 0
+                rows.append(_row(trainer, holdout, cfg.gate_gamma, i))
+    return rows
+
+
+def _row(trainer, holdout, gamma: int, seen: int) -> dict:
+    row = {"records": seen, "publishes": trainer.stats.publishes}
+    for domain, held in holdout.items():
+        row[domain] = round(score(trainer.candidate, held, gamma).expected_acceptance, 4)
+        row[f"{domain}/serving"] = round(score(trainer.serving, held, gamma).expected_acceptance, 4)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--redis", required=True)
+    p.add_argument("--stream", default="specd:replay")
+    p.add_argument("--drafter", required=True, help="the drafter the stream's server started from")
+    p.add_argument("--try", dest="settings", action="append", default=[],
+                   help="comma-separated trainer overrides; repeat for each setting")
+    p.add_argument("overrides", nargs="*", default=[])
+    args = p.parse_args()
+    cfg = load_config(args.overrides)
+    target_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
+    teacher = TargetTeacher(target_dir, top_k=cfg.trainer.teacher_topk)
+    records = load_records(args.redis, args.stream)
+    print(f"{len(records)} records")
+    examples = label_all(records, teacher, replace(cfg.trainer), need_hidden=True)
+    for setting in args.settings or [""]:
+        overrides = [s for s in setting.split(",") if s]
+        for row in replay(examples, overrides, args.overrides, target_dir, str(Path(args.drafter)), teacher):
+            print(setting or "defaults", row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
