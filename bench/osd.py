@@ -33,14 +33,32 @@ from cluster.client import AsyncSpecdClient
 DOMAINS = ("gsm8k", "humaneval")
 
 
-def stream_prompts(domains: tuple[str, ...], per_domain: int, split: str) -> list[tuple[str, Any]]:
+def stream_prompts(
+    domains: tuple[str, ...], per_domain: int, split: str, seen: frozenset[tuple[str, int]] = frozenset()
+) -> list[tuple[str, Any]]:
+    """`per_domain` prompts of each domain in turn, the ones in `seen` ((source, row) pairs the starting
+    drafter was trained on) last, cycling when a split has fewer rows (HumanEval's train split has 120)."""
     from workers.prompts import load_split
 
     out = []
     for d in domains:
         rows = load_split(d, split)
+        rows = [p for p in rows if (p.source, p.index) not in seen] + [
+            p for p in rows if (p.source, p.index) in seen
+        ]
         out += [(d, rows[i % len(rows)]) for i in range(per_domain)]
     return out
+
+
+def bootstrap_prompts(from_offline: bool) -> frozenset[tuple[str, int]]:
+    """The train prompts the starting drafter was distilled on (bootstrap.py takes the first
+    num_prompts of the interleaved train prompts; its hidden stage hidden_num_prompts of them)."""
+    from drafter_trainer.bootstrap import BootstrapConfig
+    from workers.prompts import load_prompts
+
+    cfg = BootstrapConfig() if from_offline else BootstrapConfig.quick()
+    limit = max(cfg.num_prompts, cfg.hidden_num_prompts or 0)
+    return frozenset((p.source, p.index) for p in load_prompts("train", limit=limit))
 
 
 async def run_stream(
@@ -265,7 +283,12 @@ def run_bench(args: argparse.Namespace) -> int:
     drafter = args.drafter or start_drafter(args.from_offline, cfg.cache_dir, model_dir)
     work = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-osd-"))
     work.mkdir(parents=True, exist_ok=True)
-    prompts = stream_prompts(DOMAINS, args.requests_per_domain, "train")
+    # A stream of what the drafter never saw, where the split allows (the offline drafter saw it all).
+    seen = frozenset() if args.drafter else bootstrap_prompts(args.from_offline)
+    prompts = stream_prompts(DOMAINS, args.requests_per_domain, "train", seen)
+    print(f"stream: {args.requests_per_domain} requests per domain; "
+          f"{sum((p.source, p.index) in seen for _, p in prompts)} of them on prompts the starting drafter "
+          "was trained on", flush=True)
     base = [
         *overrides,
         f"drafter.path={drafter}",

@@ -247,7 +247,7 @@ class TrainerConfig:
     sched_idle: bool = True
     group: str = "specd-trainer"        # Redis consumer group: a restarted trainer resumes from it
     consumer: str = "trainer-0"         # Redis consumer name within the group
-    divergence: Divergence = Divergence.forward_kl    # forward_kl | reverse_kl | jsd | tvd
+    divergence: Divergence = Divergence.jsd    # forward_kl | reverse_kl | jsd | tvd (chosen: osd_replay.py)
     jsd_beta: float = 0.5               # jsd: mixture weight of the teacher
     # all verified positions, or "rejected": weighted toward rejections
     positions: TrainPositions = TrainPositions.all
@@ -255,6 +255,7 @@ class TrainerConfig:
     teacher_topk: int = 32              # the teacher forward keeps the target's top-k per position
     lr: float = 1e-4                    # AdamW learning rate
     weight_decay: float = 0.0           # AdamW weight decay
+    warmup_steps: int = 50              # linear learning-rate warm-up (optimizer steps) from each start
     batch_records: int = 8              # records per optimizer step
     steps_per_update: int = 8           # optimizer steps per update round
     update_every_records: int = 64      # an update round after this many new records ...

@@ -106,7 +106,12 @@ class OnlineTrainer:
 
     def _optimizer(self) -> torch.optim.Optimizer:
         cfg = self.cfg
-        return torch.optim.AdamW(self.candidate.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = torch.optim.AdamW(self.candidate.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # Linear warm-up: Adam's first steps move every weight by about lr whatever its gradient, which
+        # knocked a trained drafter's held-out acceptance down before it could learn (scripts/osd_replay.py).
+        warmup = max(1, cfg.warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+        return opt
 
     @property
     def serving_version(self) -> str:
@@ -177,6 +182,7 @@ class OnlineTrainer:
             if self.cfg.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
             self.optimizer.step()
+            self.scheduler.step()
             losses.append(float(loss.detach()))
         self.candidate.train(False)
         self.stats.optimizer_steps += steps

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from bench.osd import DOMAINS, serving_at_domain_end, stream_prompts, swap_events, write_plot
+from bench.osd import (
+    DOMAINS,
+    bootstrap_prompts,
+    serving_at_domain_end,
+    stream_prompts,
+    swap_events,
+    write_plot,
+)
 
 
 def test_stream_is_gsm8k_then_humaneval_from_the_train_split() -> None:
@@ -33,3 +40,14 @@ def test_the_version_serving_when_each_domain_ended_is_its_last_requests_newest(
             {"index": 3, "domain": "humaneval", "versions": ["b"]}, None,
             {"index": 5, "domain": "humaneval", "versions": ["b", "c"]}]
     assert serving_at_domain_end(rows) == {"gsm8k": "b", "humaneval": "c"}
+
+
+def test_the_stream_puts_prompts_the_quick_drafter_was_trained_on_last() -> None:
+    seen = bootstrap_prompts(from_offline=False)
+    assert 0 < len(seen) < 100
+    prompts = stream_prompts(DOMAINS, 400, "train", seen)
+    gsm8k = [p for d, p in prompts if d == "gsm8k"]
+    assert not any((p.source, p.index) in seen for p in gsm8k)      # 1,000 train rows: room to spare
+    humaneval = [(p.source, p.index) in seen for d, p in prompts if d == "humaneval"]
+    first_seen = humaneval.index(True)                              # 120 rows: the stream cycles
+    assert first_seen == 120 - sum(s == "humaneval" for s, _ in seen) and not any(humaneval[:first_seen])

@@ -22,7 +22,7 @@ from workers.drafters.versions import read_current, target_checksum
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 
-CFG = TrainerConfig(lr=3e-3, batch_records=4, steps_per_update=10, update_every_records=8,
+CFG = TrainerConfig(lr=3e-3, warmup_steps=1, batch_records=4, steps_per_update=10, update_every_records=8,
                     holdout_every=4, gate_margin=0.0, collapse_steps=20, rollback_window_steps=40)
 
 
@@ -67,6 +67,18 @@ def test_loss_falls_on_a_fixed_buffer(tmp_path, tiny_llama_dir, redis_server, te
     losses = trainer.train_steps(40, examples)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert torch.equal(trainer.candidate.base.model.embed_tokens.weight, embed)  # the target's: frozen
+
+
+def test_learning_rate_warms_up_linearly_from_each_start(tmp_path, tiny_llama_dir, redis_server, teacher,
+                                                        continuations):
+    cfg = replace(CFG, warmup_steps=4)
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, cfg=cfg, stream="s-warmup")
+    examples = _examples(trainer, continuations[:4], teacher)
+    lrs = []
+    for _ in range(5):
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.train_steps(1, examples)
+    assert lrs == pytest.approx([cfg.lr * k / 4 for k in (1, 2, 3, 4, 4)])
 
 
 def test_hidden_drafter_trains_and_scores(tmp_path, tiny_llama_dir, redis_server, teacher, continuations):
