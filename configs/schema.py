@@ -267,7 +267,9 @@ class TrainerConfig:
     gate_gamma: int = 4                 # the gate scores the first γ positions of each step
     gate_margin: float = 0.01           # publish when expected acceptance beats the serving version by this
     keep_versions: int = 5              # published versions kept on disk
-    rollback_window_steps: int = 200    # live steps of a new version compared with its parent's
+    # live steps of a new version compared with its parent's: ~30 requests of 48 tokens (200 steps,
+    # ~7 requests, rolled good versions back on the noise between requests)
+    rollback_window_steps: int = 1000
     rollback_margin: float = 0.05       # roll back when its acceptance is this much below its parent's
     collapse_steps: int = 50            # after this many live steps ...
     collapse_alpha: float = 0.05        # ... acceptance below this is a collapse: roll back at once

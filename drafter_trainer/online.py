@@ -126,8 +126,7 @@ class OnlineTrainer:
         # must not delay rolling back a collapsed version.
         for _, record in records:
             if record is not None:
-                for _, drafted, accepted, version in record_steps(record):
-                    self.monitor.observe(version, drafted, accepted)
+                self._observe_live(record)
         self._check_rollback()
         for entry_id, record in records:
             if record is not None:
@@ -138,6 +137,17 @@ class OnlineTrainer:
         if due and self.buffer:
             self.update()
         return len(entries)
+
+    def _observe_live(self, record) -> None:
+        """Feed the monitor the steps drafted by the version the request started with. After a hot-swap a
+        running request's drafter K/V still come from the old weights (workers/drafters/model.py load()),
+        so its steps under the new version understate it: counting them rolled every new version back
+        in `specd bench osd` (0.14-0.17 live against the parent's 0.20-0.22, four versions in a row)."""
+        steps = record_steps(record)
+        first = next((version for _, drafted, _, version in steps if drafted > 0), None)
+        for _, drafted, accepted, version in steps:
+            if version == first:
+                self.monitor.observe(version, drafted, accepted)
 
     def _decode(self, entry_id: str, data: bytes):
         self._unacked.append(entry_id)

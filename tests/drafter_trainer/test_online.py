@@ -16,7 +16,7 @@ from drafter_trainer.gate import LiveMonitor, score
 from drafter_trainer.online import OnlineTrainer
 from drafter_trainer.online_data import TargetTeacher, make_example
 from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
-from proto.replay_codec import encode_record
+from proto.replay_codec import RecordBuilder, encode_record
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
 from workers.drafters.versions import read_current, target_checksum
 
@@ -153,6 +153,19 @@ def test_a_collapsed_version_is_rolled_back_to_its_parent(tmp_path, tiny_llama_d
     trainer.poll(block_ms=100)
     assert read_current(trainer.store.root) == parent
     assert trainer.stats.rollbacks == 1 and trainer.stats.events[-1]["event"] == "rollback"
+
+
+def test_live_acceptance_counts_a_request_only_under_the_version_it_started_with(
+        tmp_path, tiny_llama_dir, redis_server, teacher, continuations):
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, stream="s-live")
+    prompt, output = continuations[0]
+    b = RecordBuilder("req-swap", prompt, domain="test")
+    b.first_tokens(output[:1])
+    for k, version in enumerate(["old", "old", "new", "new", "new"]):   # swapped after two steps
+        b.step(output[1 + 2 * k : 3 + 2 * k], accepted=1, bonus=False, emitted=output[1 + 2 * k : 3 + 2 * k],
+               drafter_version=version)
+    trainer._observe_live(b.finish())
+    assert trainer.monitor.totals == {"old": [2, 4, 2]}    # the new version's steps read stale K/V
 
 
 def test_live_monitor_rolls_back_below_parent_by_margin_only_after_a_window() -> None:
