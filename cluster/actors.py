@@ -99,7 +99,7 @@ def create_placement_group(cfg: SpecdConfig, name: str = "", node_gpus: int = 0)
     return placement_group(placement_bundles(cfg, node_gpus), strategy="PACK", name=name)
 
 
-def _options(bundle: dict[str, float], pg, index: int, name: str) -> dict[str, Any]:
+def _options(bundle: dict[str, float], pg, index: int, name: str, max_restarts: int = 0) -> dict[str, Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return {
@@ -107,7 +107,9 @@ def _options(bundle: dict[str, float], pg, index: int, name: str) -> dict[str, A
         "num_gpus": bundle.get("GPU", 0.0),
         "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
         "name": name,
-        "max_restarts": 0,          # a restarted worker would have lost every KV cache: fail loudly
+        # A restarted target has lost every KV cache: its requests cannot go on, so it is not restarted.
+        # A restarted drafter can: its requests finish target-only (workers/engine/step.py).
+        "max_restarts": max_restarts,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index
         ),
@@ -125,7 +127,7 @@ def drafter_actor_options(
     cfg: SpecdConfig, pg, replica: int, tag: str = "", node_gpus: int = 0
 ) -> dict[str, Any]:
     bundle = _bundle(cfg.drafter.num_cpus, gpu_shares(cfg, node_gpus)[1], cfg.drafter.resources)
-    return _options(bundle, pg, 2 * replica + 1, f"specd-drafter-{replica}{tag}")
+    return _options(bundle, pg, 2 * replica + 1, f"specd-drafter-{replica}{tag}", cfg.drafter.max_restarts)
 
 
 @dataclass

@@ -71,6 +71,15 @@ class SpecdMetrics(SchedulerObserver):
                                          ["position", "drafter_version"], registry=r)
         self.gamma = Histogram("specd_gamma", "Draft positions used per step (γ; tree: depth)",
                                buckets=_STEP_BUCKETS, registry=r)
+        self.drafter_failures = Counter("specd_drafter_failures", "Drafter calls that failed (the "
+                                        "drafter died, or raised)", ["replica"], registry=r)
+        self.drafter_fallback = Counter("specd_drafter_fallback_requests", "Requests that went on by "
+                                        "target-only decoding because their drafter failed", ["replica"],
+                                        registry=r)
+        self.drafter_down = Gauge("specd_drafter_down", "1 while a replica's drafter has failed and not "
+                                  "answered again (its requests are decoded target-only)", ["replica"],
+                                  registry=r)
+        self._drafter_counts: dict[str, tuple[int, int]] = {}
         self.drafter_version = Gauge("specd_drafter_version_info", "Drafter version a replica last used",
                                      ["replica", "drafter_version"], registry=r)
         self.busy = Gauge("specd_worker_busy_fraction", "Worker compute time / time with requests",
@@ -146,6 +155,14 @@ class SpecdMetrics(SchedulerObserver):
             self.busy.labels(replica, "target").set(s["target_busy_fraction"])
             self.busy.labels(replica, "drafter").set(s["drafter_busy_fraction"])
             self.overlap.labels(replica).set(s["overlap_fraction"])
+            if "drafter_failures" in s:
+                # counted in the scheduler's steps; the poll adds what is new since the last one
+                before = self._drafter_counts.get(replica, (0, 0))
+                now = (s["drafter_failures"], s["drafter_fallback_requests"])
+                self.drafter_failures.labels(replica).inc(max(0, now[0] - before[0]))
+                self.drafter_fallback.labels(replica).inc(max(0, now[1] - before[1]))
+                self._drafter_counts[replica] = now
+                self.drafter_down.labels(replica).set(1.0 if s["drafter_down"] else 0.0)
             if "goodput_predicted" in s:
                 self.goodput_predicted.labels(replica).set(s["goodput_predicted"])
                 self.goodput_measured.labels(replica).set(s["goodput_measured"])

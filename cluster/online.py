@@ -95,6 +95,17 @@ async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | 
     log.info("online trainer up; drafters follow %s", parts.store)
 
 
+async def follow_again(parts: OnlineParts, replica: int, model_dir: str,
+                       version_pin: str | None = None) -> None:
+    """A restarted DraftWorker starts from its configured drafter: point it at the store again."""
+    if parts.trainer is None or replica >= len(parts.drafters):
+        return
+    d = parts.drafters[replica]
+    await d.watch_versions(parts.store, str(model_dir), SWAP_POLL_S)
+    if version_pin:
+        await d.pin_version(version_pin)
+
+
 class OnlineMetrics:
     """Gauges of the trainer and the swaps, polled with the worker stats."""
 
@@ -131,8 +142,20 @@ class OnlineMetrics:
 
 
 async def poll_online(parts: OnlineParts, metrics: OnlineMetrics) -> None:
-    """One poll of the trainer and the drafters (the serve loop calls it with the worker stats)."""
+    """One poll of Redis, the trainer and the drafters (the serve loop calls it with the worker stats).
+    A managed redis-server that died is started again here; a dead trainer actor is restarted by Ray
+    (trainer.max_restarts) and resumes from its consumer group. Neither failure reaches serving."""
+    import asyncio
+
+    if parts.managed_redis is not None:
+        await asyncio.to_thread(parts.managed_redis.ensure_running)
     if parts.trainer is not None:
-        metrics.set_trainer(await parts.trainer.stats.remote())
+        try:
+            metrics.set_trainer(await parts.trainer.stats.remote())
+        except Exception as exc:  # restarting (or out of restarts): serving goes on without its figures
+            log.warning("trainer stats unavailable: %s", type(exc).__name__)
     for i, d in enumerate(parts.drafters):
-        metrics.set_swaps(i, await d.swap_stats())
+        try:
+            metrics.set_swaps(i, await d.swap_stats())
+        except Exception as exc:  # a restarting DraftWorker (its requests go on target-only)
+            log.warning("drafter %d swap stats unavailable: %s", i, type(exc).__name__)

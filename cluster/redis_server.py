@@ -82,6 +82,7 @@ class ManagedRedis:
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self._dir: str | None = None
+        self.restarts = 0
 
     @property
     def endpoint(self) -> RedisEndpoint:
@@ -132,6 +133,17 @@ class ManagedRedis:
                 time.sleep(0.05)
         finally:
             client.close()
+
+    def ensure_running(self) -> bool:
+        """Start the server again (same port and password, empty) if it died; True when it did. The
+        replay writer reconnects by itself and the trainer re-creates its group on the empty stream."""
+        if self.proc is None or self.proc.poll() is None:
+            return False
+        code = self.proc.returncode
+        self.start()
+        self.restarts += 1
+        log.warning("managed redis-server had exited (%s): restarted on 127.0.0.1:%d", code, self.port)
+        return True
 
     def stop(self, remove_files: bool = True) -> None:
         """Terminate the server (it keeps no data: the replay buffer is a cache of recent traffic)."""

@@ -26,7 +26,9 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from workers.core.stats import RequestStats
@@ -168,7 +170,10 @@ class Scheduler:
         pipeline_groups: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
         observer: SchedulerObserver | None = None,
+        on_drafter_back: Callable[[int], Awaitable[None]] | None = None,
     ):
+        """on_drafter_back(replica): set up a replica's drafter again after it failed and answers again
+        (a restarted actor has lost its version store and cost profile); SpecStep calls it."""
         if not replicas:
             raise ValueError("a scheduler needs at least one (target, drafter) replica")
         if pipeline_groups < 1:
@@ -189,6 +194,7 @@ class Scheduler:
         self.pipeline_groups = pipeline_groups
         self.eos_token_ids = tuple(eos_token_ids)
         self.observer = observer or SchedulerObserver()
+        self.on_drafter_back = on_drafter_back
         self._waiting: deque[_Request] = deque()
         self._requests: dict[str, _Request] = {}
         self._tasks: list[asyncio.Task] = []
@@ -203,7 +209,8 @@ class Scheduler:
         for rep in self.replicas:
             rep.busy_base = await self._busy_seconds(rep)
             for group in rep.groups:
-                group.step = await SpecStep.create(rep.target, rep.drafter)
+                group.step = await SpecStep.create(rep.target, rep.drafter,
+                                                   on_drafter_back=partial(self._drafter_back, rep))
             rep.hidden = rep.groups[0].step.hidden
             await rep.groups[0].step.profile()       # one cost model per drafter worker
             self._tasks += [asyncio.create_task(self._run_group(rep, g)) for g in rep.groups]
@@ -411,10 +418,17 @@ class Scheduler:
         except Exception as exc:  # a failed release leaks a slot, never the router
             log.error("replica %d: release of %s failed: %r", rep.index, ids, exc)
 
+    async def _drafter_back(self, rep: _Replica) -> None:
+        if self.on_drafter_back is not None:
+            await self.on_drafter_back(rep.index)
+        await rep.groups[0].step.profile()
+
     # ---- statistics ----------------------------------------------------------------------------
     async def _busy_seconds(self, rep: _Replica) -> tuple[float, float]:
-        t, d = await asyncio.gather(rep.target.busy_seconds(), rep.drafter.busy_seconds())
-        return t, d
+        t, d = await asyncio.gather(rep.target.busy_seconds(), rep.drafter.busy_seconds(),
+                                    return_exceptions=True)
+        # a failed (restarting) drafter reports nothing; its replica goes on target-only meanwhile
+        return (0.0 if isinstance(t, BaseException) else t), (0.0 if isinstance(d, BaseException) else d)
 
     async def worker_stats(self) -> list[dict]:
         """Per replica: busy fractions of both workers over the time it had requests, and their overlap.
@@ -426,7 +440,11 @@ class Scheduler:
         out = []
         for rep in self.replicas:
             t, d = await self._busy_seconds(rep)
-            goodput = await rep.drafter.goodput_stats()
+            try:
+                goodput = await rep.drafter.goodput_stats()
+            except Exception:  # a failed drafter: counted below, its replica serves target-only meanwhile
+                goodput = {"predicted": 0.0, "measured": 0.0}
+            steps = [g.step for g in rep.groups if g.step is not None]
             t -= rep.busy_base[0]
             d -= rep.busy_base[1]
             active = rep.active_total(now)
@@ -445,6 +463,9 @@ class Scheduler:
                 "steps": rep.steps,
                 "goodput_predicted": goodput["predicted"],   # tokens/s the γ plans promised (EMA)
                 "goodput_measured": goodput["measured"],     # tokens/s the steps delivered (EMA)
+                "drafter_failures": sum(st.drafter_failures for st in steps),
+                "drafter_fallback_requests": sum(st.fallback_requests for st in steps),
+                "drafter_down": any(st.drafter_down_since is not None for st in steps),
             })
         return out
 

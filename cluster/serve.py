@@ -155,7 +155,7 @@ async def _bring_up(
              len(infos))
 
     metrics = SpecdMetrics()
-    from cluster.online import OnlineMetrics, follow_trainer, start_online
+    from cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
     from cluster.replay import ObserverFanout
 
     res.online = await asyncio.to_thread(start_online, cfg, str(model_dir),
@@ -169,6 +169,7 @@ async def _bring_up(
         pipeline_groups=cfg.server.pipeline_groups,
         eos_token_ids=info["eos_token_ids"],
         observer=observer,
+        on_drafter_back=lambda i: follow_again(res.online, i, str(model_dir), cfg.drafter.version_pin),
     )
     await res.scheduler.start()
     if cfg.server.warmup:

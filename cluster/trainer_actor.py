@@ -104,7 +104,8 @@ def start_trainer_actor(cfg, endpoint: RedisEndpoint):
     import ray
 
     actor = ray.remote(TrainerActor).options(
-        num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus, name=None, max_restarts=0,
+        num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus, name=None,
+        max_restarts=cfg.trainer.max_restarts,   # a restarted trainer resumes from its consumer group
         resources=dict(cfg.trainer.resources),    # e.g. the Helm chart's trainer group: specd_trainer
     )
     return actor.remote(cfg, endpoint)

@@ -124,6 +124,8 @@ class DrafterConfig:
     num_cpus: float = 1.0               # Ray CPUs per drafter actor
     resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
     max_slots: int = 16                 # concurrent sequences per drafter (its KV cache slots)
+    # Ray restarts of a dead DraftWorker (-1: always); its requests go on target-only meanwhile
+    max_restarts: int = 10
     # Context of the drafter's KV cache; None = the target's (target.max_seq_len), resolved by
     # configs.load_config. A drafter shorter than the target cannot draft for long requests.
     max_seq_len: int | None = None
@@ -242,6 +244,7 @@ class TrainerConfig:
     num_cpus: float = 1.0               # Ray CPUs of the trainer actor
     num_gpus: float = 0.0               # Ray GPUs of the trainer actor
     resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
+    max_restarts: int = 10              # Ray restarts of a dead trainer actor (-1: always)
     nice: int = 10                      # CPU priority of the trainer (0 = as serving): serving comes first
     # Linux, CPU trainer: run it under SCHED_IDLE, so it gets only the CPU time serving leaves idle
     sched_idle: bool = True

@@ -259,3 +259,11 @@ class RayFakeDrafter(FakeDrafter):
 
     def max_slots(self) -> int:
         return 4
+
+
+class RaySlowFakeDrafter(RayFakeDrafter):
+    """50 ms per propose: a request lasts long enough to kill its drafter mid-stream."""
+
+    def __init__(self, *_args):
+        super().__init__()
+        self.delay = 0.05

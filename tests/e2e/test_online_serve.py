@@ -110,3 +110,59 @@ def test_swaps_while_streaming_keep_greedy_output_exact(server) -> None:
     assert _metric(text, "specd_replay_records_written_total") >= len(PROMPTS)
     assert _metric(text, "specd_trainer_publishes") >= 1
     assert (server["store"] / "CURRENT").is_file()
+
+
+def _descendants(cmd_prefix: str) -> list:
+    """Processes under this one (the server runs in-process: redis-server and Ray's workers are below it)
+    whose command line starts with `cmd_prefix`."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith(cmd_prefix):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_redis_and_trainer_killed_while_serving(server) -> None:
+    """The managed redis-server and the trainer actor are SIGKILLed under streaming load: every request
+    still succeeds with exact output, records are dropped and counted while Redis is away, specd starts
+    Redis again and writing resumes, Ray restarts the trainer and it reads the stream again."""
+    c, port = server["client"], server["handle"].metrics_port
+    reference = [c.generate(prompt=p, max_new_tokens=16, speculation=False).token_ids for p in PROMPTS]
+
+    def streamed(prompt: str) -> list[int]:
+        ids: list[int] = []
+        for chunk in c.stream(prompt=prompt, max_new_tokens=16):
+            ids += list(chunk.token_ids)
+        return ids
+
+    def metric(name: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return _metric(text, name)
+
+    def serve_until(cond, what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        with ThreadPoolExecutor(4) as pool:
+            while True:
+                assert list(pool.map(streamed, PROMPTS)) == reference, f"output changed while {what}"
+                if cond():
+                    return
+                assert time.monotonic() < deadline, f"never happened: {what}"
+
+    (redis,) = _descendants("redis-server")
+    redis.kill()
+    serve_until(lambda: metric("specd_replay_records_dropped_total") > 0, "Redis is down")
+    written = metric("specd_replay_records_written_total")
+    serve_until(lambda: metric("specd_replay_records_written_total") > written, "Redis is restarted")
+    assert [p.pid for p in _descendants("redis-server")] != [redis.pid]
+
+    (trainer,) = _descendants("ray::TrainerActor")
+    trainer.kill()
+    serve_until(lambda: [p.pid for p in _descendants("ray::TrainerActor")] not in ([], [trainer.pid]),
+                "the trainer is restarted")
+    seen = metric("specd_trainer_records_seen")
+    serve_until(lambda: metric("specd_trainer_records_seen") not in (0, seen), "the trainer reads again")

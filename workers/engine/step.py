@@ -25,11 +25,19 @@ group A.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from workers.engine.handles import DrafterHandle, TargetHandle
 from workers.engine.sequence import Sequence
 from workers.engine.types import Draft, VerifyResult
+
+log = logging.getLogger(__name__)
+DRAFTER_RETRY_S = 2.0   # how often a step asks a failed drafter whether it is back
+DRAFTER_PROBE_TIMEOUT_S = 0.5
 
 
 @dataclass
@@ -41,7 +49,13 @@ class StepOutcome:
 
 
 class SpecStep:
-    def __init__(self, target: TargetHandle, drafter: DrafterHandle | None, *, hidden: bool = False):
+    """A failing drafter never fails a request: the requests it held finish by target-only decoding
+    (exact, and not restarted), new requests are not drafted for until the drafter answers again (it
+    is asked every DRAFTER_RETRY_S; a Ray actor restarts with empty caches), then `on_drafter_back`
+    (the server's set-up of a fresh drafter: version store, cost profile) runs and speculation resumes."""
+
+    def __init__(self, target: TargetHandle, drafter: DrafterHandle | None, *, hidden: bool = False,
+                 on_drafter_back: Callable[[], Awaitable[None]] | None = None):
         self.target = target
         self.drafter = drafter
         # The drafter reads the target's hidden states: start and verify return them with their tokens.
@@ -49,11 +63,18 @@ class SpecStep:
         # (tokens per row, seconds, tokens emitted) of this batch's previous verify: the goodput
         # policy's cost model follows measured steps.
         self._last_verify: tuple[list[int], float, int] | None = None
+        self.on_drafter_back = on_drafter_back
+        self.target_only: set[str] = set()       # requests whose drafter state was lost
+        self.drafter_down_since: float | None = None
+        self._last_probe = 0.0
+        self.drafter_failures = 0                # drafter calls that raised
+        self.fallback_requests = 0               # requests moved to target-only decoding by them
 
     @classmethod
-    async def create(cls, target: TargetHandle, drafter: DrafterHandle | None) -> SpecStep:
+    async def create(cls, target: TargetHandle, drafter: DrafterHandle | None,
+                     on_drafter_back: Callable[[], Awaitable[None]] | None = None) -> SpecStep:
         hidden = drafter is not None and await drafter.uses_target_hidden()
-        return cls(target, drafter, hidden=hidden)
+        return cls(target, drafter, hidden=hidden, on_drafter_back=on_drafter_back)
 
     async def profile(self) -> None:
         """The goodput policy's cost model starts from a timed sweep of this target's verify forward."""
@@ -64,19 +85,59 @@ class SpecStep:
             await self.drafter.set_cost_profile(await self.target.profile_verify(**request))
 
     def _speculates(self, seq: Sequence) -> bool:
-        return self.drafter is not None and seq.request.spec.enabled
+        return (self.drafter is not None and seq.request.spec.enabled
+                and seq.request_id not in self.target_only)
+
+    def _drafter_failed(self, exc: Exception, request_ids: list[str]) -> None:
+        if self.drafter_down_since is None:
+            log.error("drafter failed (%s: %s): %d running requests go on by target-only decoding; "
+                      "speculation resumes when it answers again", type(exc).__name__, exc, len(request_ids))
+            self.drafter_down_since = time.monotonic()
+        self._last_probe = time.monotonic()
+        self.drafter_failures += 1
+        self.target_only.update(request_ids)
+        self.fallback_requests += len(request_ids)
+
+    async def _drafter_up(self) -> bool:
+        """False while a failed drafter has not answered again; asks it at most every DRAFTER_RETRY_S."""
+        if self.drafter_down_since is None:
+            return True
+        if time.monotonic() - self._last_probe < DRAFTER_RETRY_S:
+            return False
+        self._last_probe = time.monotonic()
+        try:
+            probe = self.drafter.max_slots()
+            if self.drafter.mode != "direct":
+                # a restarting actor may hold the call until it is up: new requests must not wait for it
+                probe = asyncio.wait_for(probe, DRAFTER_PROBE_TIMEOUT_S)
+            await probe
+            if self.on_drafter_back is not None:
+                await self.on_drafter_back()
+        except Exception as exc:  # still down (or restarting): ask again later
+            log.debug("drafter still unavailable: %r", exc)
+            return False
+        log.warning("drafter back after %.1f s: new requests speculate again",
+                    time.monotonic() - self.drafter_down_since)
+        self.drafter_down_since = None
+        return True
 
     async def start(self, seqs: list[Sequence]) -> list[list[int]]:
         """Prefill newly admitted requests; returns the tokens each emitted (the first token)."""
         first, hidden = await self.target.start([s.request for s in seqs], return_hidden=self.hidden)
         new_tokens = [seq.start(list(tokens)) for seq, tokens in zip(seqs, first, strict=True)]
         drafting = [i for i, s in enumerate(seqs) if self._speculates(s) and not s.finished]
-        if drafting:
-            await self.drafter.start(
-                [seqs[i].request for i in drafting],
-                [list(first[i]) for i in drafting],
-                [hidden[i] for i in drafting] if hidden is not None else None,
-            )
+        if drafting and not await self._drafter_up():
+            self.target_only.update(seqs[i].request_id for i in drafting)
+            self.fallback_requests += len(drafting)
+        elif drafting:
+            try:
+                await self.drafter.start(
+                    [seqs[i].request for i in drafting],
+                    [list(first[i]) for i in drafting],
+                    [hidden[i] for i in drafting] if hidden is not None else None,
+                )
+            except Exception as exc:
+                self._drafter_failed(exc, [seqs[i].request_id for i in drafting])
         return new_tokens
 
     async def step(self, seqs: list[Sequence]) -> list[StepOutcome]:
@@ -89,7 +150,11 @@ class SpecStep:
         proposed = []
         if drafting:
             items = [s.next_draft_item() for s in drafting]
-            proposed = await self.drafter.propose(items, last_verify=self._last_verify)
+            try:
+                proposed = await self.drafter.propose(items, last_verify=self._last_verify)
+            except Exception as exc:
+                self._drafter_failed(exc, [s.request_id for s in drafting])
+                drafting = []
         plain = [Draft(s.request_id, []) for s in live if not self._speculates(s)]
         drafts = _in_order([*proposed, *plain], ids, "propose")
         results = _in_order(await self.target.verify(drafts, return_hidden=self.hidden), ids, "verify")
@@ -107,9 +172,13 @@ class SpecStep:
         """Free the requests' slots on both workers (ids a worker does not hold are ignored)."""
         if not request_ids:
             return
+        self.target_only.difference_update(request_ids)
         await self.target.release(request_ids)
-        if self.drafter is not None:
-            await self.drafter.release(request_ids)
+        if self.drafter is not None and self.drafter_down_since is None:
+            try:
+                await self.drafter.release(request_ids)
+            except Exception as exc:
+                self._drafter_failed(exc, [])
 
 
 def _in_order(records: list, ids: list[str], what: str) -> list:
