@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.report import save_figure
 from bench.serve import ServerProcess
 from cluster.client import AsyncSpecdClient
 
@@ -263,11 +264,7 @@ def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Pat
     ax.set_ylabel("acceptance rate α (accepted / drafted)")
     ax.set_title(title)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run_bench(args: argparse.Namespace) -> int:

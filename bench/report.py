@@ -163,9 +163,16 @@ def write_plot(path: str | Path, rows: list[Row], system_order: list[str], title
     ax.set_title(title or "specd bench engine: tokens/s per system")
     ax.legend(fontsize="small", ncols=2)
     ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Lay out, write the PNG (creating its folder) and free a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

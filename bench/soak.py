@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bench.report import save_figure
 from bench.serve import ServerProcess
 from cluster.client import AsyncSpecdClient
 
@@ -164,11 +165,7 @@ def write_plot(path: Path, samples: list[dict], tpot: list[dict], warmup_s: floa
     ax2.set_xlabel("minutes")
     ax2.set_ylabel("ms per output token")
     ax2.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -107,8 +107,8 @@ def _options(bundle: dict[str, float], pg, index: int, name: str, max_restarts: 
         "num_gpus": bundle.get("GPU", 0.0),
         "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
         "name": name,
-        # A restarted target has lost every KV cache: its requests cannot go on, so it is not restarted.
-        # A restarted drafter can: its requests finish target-only (workers/engine/step.py).
+        # A restarted target has lost every KV cache: the scheduler retries or ends its requests and
+        # takes it out of dispatch until it answers. A restarted drafter's requests finish target-only.
         "max_restarts": max_restarts,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index
@@ -120,7 +120,7 @@ def target_actor_options(
     cfg: SpecdConfig, pg, replica: int, tag: str = "", node_gpus: int = 0
 ) -> dict[str, Any]:
     bundle = _bundle(cfg.target.num_cpus, gpu_shares(cfg, node_gpus)[0], cfg.target.resources)
-    return _options(bundle, pg, 2 * replica, f"specd-target-{replica}{tag}")
+    return _options(bundle, pg, 2 * replica, f"specd-target-{replica}{tag}", cfg.target.max_restarts)
 
 
 def drafter_actor_options(

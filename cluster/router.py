@@ -180,6 +180,8 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
                     )
                     continue
                 finished = True
+                if event.reason == FinishReason.ERROR and event.unavailable:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed: {event.error}")
                 if event.reason == FinishReason.ERROR:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event.error}")
                 reason = FinishReason.STOP if text.stopped else event.reason

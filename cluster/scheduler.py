@@ -31,106 +31,28 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from workers.core.stats import RequestStats
+from cluster.requests import (
+    FinishEvent,
+    QueueFull,
+    RequestHandle,
+    SchedulerObserver,
+    ServedRequest,
+    ServedStats,
+    TokensEvent,
+)
 from workers.engine.handles import DrafterHandle, TargetHandle
 from workers.engine.sequence import Sequence
 from workers.engine.step import SpecStep, StepOutcome
-from workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
+from workers.engine.types import FinishReason, NewRequest
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """Admission control: every slot is taken and the waiting queue is at its bound."""
-
-
-@dataclass
-class ServedStats:
-    """What the client learns about its request: sizes, speculation counts and timings."""
-
-    prompt_tokens: int
-    arrival: float
-    completion_tokens: int = 0
-    spec: RequestStats = field(default_factory=RequestStats)
-    started_at: float | None = None       # prefill began
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    replica: int = -1
-
-    @property
-    def queue_time(self) -> float:
-        return (self.started_at or self.finished_at or self.arrival) - self.arrival
-
-    @property
-    def time_to_first_token(self) -> float:
-        return self.first_token_at - self.arrival if self.first_token_at is not None else 0.0
-
-    @property
-    def total_time(self) -> float:
-        return (self.finished_at or self.arrival) - self.arrival
-
-
-@dataclass
-class TokensEvent:
-    tokens: list[int]
-
-
-@dataclass
-class FinishEvent:
-    reason: FinishReason
-    stats: ServedStats
-    error: str = ""
-
-
-class SchedulerObserver:
-    """Hooks for metrics; every method is a no-op here."""
-
-    def on_queue(self, waiting: int, running: int) -> None: ...
-    def on_first_token(self, seconds: float) -> None: ...
-    def on_step(self, replica: int, draft: Draft, result: VerifyResult, depth: int) -> None: ...
-    def on_finish(self, reason: FinishReason, stats: ServedStats) -> None: ...
-    def on_request_done(self, seq: Sequence, reason: FinishReason) -> None: ...
-
-
-@dataclass
-class _Request:
-    seq: Sequence                          # output, stopping rules, γ cap, commit fields, step stats
-    stats: ServedStats
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    done: bool = False                     # finished or cancelled; released at the next step boundary
-
-    @property
-    def id(self) -> str:
-        return self.seq.request_id
-
-    @property
-    def new(self) -> NewRequest:
-        return self.seq.request
-
-
-class RequestHandle:
-    """Async iterator over a request's TokensEvents, ending with (and including) its FinishEvent."""
-
-    def __init__(self, request: _Request):
-        self.request_id = request.id
-        self._events = request.events
-        self._finished = False
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> TokensEvent | FinishEvent:
-        if self._finished:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        self._finished = isinstance(event, FinishEvent)
-        return event
+REPLICA_RETRY_S = 2.0     # how often a replica whose target died is asked whether it is back
 
 
 @dataclass
 class _Group:
-    members: list[_Request] = field(default_factory=list)
-    pending: list[_Request] = field(default_factory=list)   # admitted, started at the next step
+    members: list[ServedRequest] = field(default_factory=list)
+    pending: list[ServedRequest] = field(default_factory=list)   # admitted, started at the next step
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     step: SpecStep | None = None                             # set when the scheduler starts
 
@@ -148,6 +70,7 @@ class _Replica:
         self.steps = 0
         self.drafter_version = ""
         self.hidden = False                # the drafter reads target hidden states (asked at start)
+        self.down = False                  # its target died: out of dispatch until it answers again
         self.busy_base = (0.0, 0.0)        # workers' busy_seconds when the scheduler started
         self.active_seconds = 0.0          # wall time with at least one request on this replica
         self.active_since: float | None = None
@@ -195,8 +118,8 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.observer = observer or SchedulerObserver()
         self.on_drafter_back = on_drafter_back
-        self._waiting: deque[_Request] = deque()
-        self._requests: dict[str, _Request] = {}
+        self._waiting: deque[ServedRequest] = deque()
+        self._requests: dict[str, ServedRequest] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self.finished = 0
@@ -269,7 +192,7 @@ class Scheduler:
                 f"(server.max_queue={self.max_queue})"
             )
         seq = Sequence(new, () if ignore_eos else self.eos_token_ids)
-        req = _Request(seq, ServedStats(len(new.prompt_token_ids), arrival=seq.arrival, spec=seq.stats))
+        req = ServedRequest(seq, ServedStats(len(new.prompt_token_ids), arrival=seq.arrival, spec=seq.stats))
         self._requests[req.id] = req
         self._waiting.append(req)
         self._dispatch()
@@ -296,7 +219,7 @@ class Scheduler:
     def _dispatch(self) -> None:
         """Move waiting requests into the least loaded replica's smallest group."""
         while self._waiting and self.running() < self.max_running:
-            free = [r for r in self.replicas if r.size() < r.capacity]
+            free = [r for r in self.replicas if not r.down and r.size() < r.capacity]
             if not free:
                 break
             rep = min(free, key=_Replica.size)
@@ -328,6 +251,9 @@ class Scheduler:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a worker failure must not take the router down with it
+                if is_dead_actor(exc):
+                    await self._target_died(rep, group, exc)
+                    continue
                 log.exception("replica %d: step failed", rep.index)
                 for req in group.members + group.pending:
                     self._finish(req, FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
@@ -351,7 +277,7 @@ class Scheduler:
             self._apply_step(rep, by_id[out.seq.request_id], out)
         await self._retire(rep, group)
 
-    async def _start(self, group: _Group, new: list[_Request]) -> None:
+    async def _start(self, group: _Group, new: list[ServedRequest]) -> None:
         todo = [r for r in new if not r.done]
         if not todo:
             return
@@ -363,7 +289,7 @@ class Scheduler:
             if not req.done:
                 self._deliver(req, tokens)
 
-    def _apply_step(self, rep: _Replica, req: _Request, out: StepOutcome) -> None:
+    def _apply_step(self, rep: _Replica, req: ServedRequest, out: StepOutcome) -> None:
         if out.draft.drafter_version:
             rep.drafter_version = out.draft.drafter_version
         result = out.result
@@ -372,7 +298,7 @@ class Scheduler:
         if not req.done:          # cancelled while the step ran: its tokens are never shown
             self._deliver(req, out.new_tokens)
 
-    def _deliver(self, req: _Request, new_tokens: list[int]) -> None:
+    def _deliver(self, req: ServedRequest, new_tokens: list[int]) -> None:
         """Hand a step's new tokens (already cut at EOS and max_new_tokens by Sequence) to the client."""
         if new_tokens:
             if req.stats.first_token_at is None:
@@ -384,7 +310,8 @@ class Scheduler:
         if req.seq.finished:
             self._finish(req, req.seq.finish_reason)
 
-    def _finish(self, req: _Request, reason: FinishReason, error: str = "") -> None:
+    def _finish(self, req: ServedRequest, reason: FinishReason, error: str = "",
+                unavailable: bool = False) -> None:
         if req.done:
             return
         req.done = True
@@ -393,7 +320,7 @@ class Scheduler:
         self.finished += 1
         self.drafted += req.stats.spec.drafted
         self.accepted += req.stats.spec.accepted
-        req.events.put_nowait(FinishEvent(reason, req.stats, error))
+        req.events.put_nowait(FinishEvent(reason, req.stats, error, unavailable))
         self.observer.on_finish(reason, req.stats)
         self.observer.on_request_done(req.seq, reason)
 
@@ -417,6 +344,50 @@ class Scheduler:
             await group.step.release(ids)
         except Exception as exc:  # a failed release leaks a slot, never the router
             log.error("replica %d: release of %s failed: %r", rep.index, ids, exc)
+
+    async def _target_died(self, rep: _Replica, group: _Group, exc: Exception) -> None:
+        """Its KV caches are gone: requests that streamed nothing yet start again on another replica
+        (or wait for one), the others end UNAVAILABLE; the replica leaves dispatch until it answers."""
+        if not rep.down:
+            rep.down = True
+            log.error("replica %d: target died (%s); out of dispatch until it is back", rep.index,
+                      type(exc).__name__)
+            self._tasks.append(asyncio.create_task(self._watch_replica(rep)))
+        requests, group.members, group.pending = group.members + group.pending, [], []
+        ids = [r.id for r in requests]
+        for req in requests:
+            if req.done:
+                self._requests.pop(req.id, None)
+            elif not req.seq.output:
+                req.seq = Sequence(req.new, req.seq.eos_token_ids)
+                req.stats.spec = req.seq.stats
+                self._waiting.appendleft(req)
+            else:
+                self._finish(req, FinishReason.ERROR, error=f"replica {rep.index}'s target died mid-stream "
+                             f"({type(exc).__name__}); retry the request", unavailable=True)
+                self._requests.pop(req.id, None)
+        try:
+            await rep.drafter.release(ids)
+        except Exception as release_exc:  # the drafter may be gone too; its slots go with it
+            log.warning("replica %d: drafter release failed: %r", rep.index, release_exc)
+        self._update_activity(rep)
+        self._dispatch()
+
+    async def _watch_replica(self, rep: _Replica) -> None:
+        """Ask a dead replica's target every 2 s; Ray restarts it (target.max_restarts) empty."""
+        while rep.down and not self._closing:
+            await asyncio.sleep(REPLICA_RETRY_S)
+            try:
+                await asyncio.wait_for(rep.target.busy_seconds(), REPLICA_RETRY_S)
+            except Exception:  # still down or restarting
+                continue
+            rep.down = False
+            rep.busy_base = await self._busy_seconds(rep)
+            log.warning("replica %d: target back; in dispatch again", rep.index)
+            self._dispatch()
+
+    def serving_replicas(self) -> int:
+        return sum(not r.down for r in self.replicas)
 
     async def _drafter_back(self, rep: _Replica) -> None:
         if self.on_drafter_back is not None:
@@ -478,6 +449,15 @@ class Scheduler:
             else:
                 return tokens, event
         raise RuntimeError("request stream ended without a FinishEvent")
+
+
+def is_dead_actor(exc: BaseException) -> bool:
+    """A Ray actor that died or cannot be reached (not an exception its method raised)."""
+    try:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+    except ImportError:
+        return False
+    return isinstance(exc, RayActorError | ActorUnavailableError)
 
 
 def _as_handle(cls: type, worker: Any, name: str) -> Any:

@@ -91,6 +91,9 @@ class TargetConfig:
     decode: Decode = Decode.auto
     num_gpus: float = 0.0               # Ray GPUs per target replica; 0 on cuda = placed automatically
     num_cpus: float = 1.0               # Ray CPUs per target replica
+    # Ray restarts of a dead TargetWorker (-1: always). Its requests cannot go on (their KV is gone):
+    # those that streamed nothing start again on another replica, the others end UNAVAILABLE.
+    max_restarts: int = 10
     # custom Ray resources per target actor, e.g. {specd_target: 1}: pins it to the nodes that
     # advertise them (the Helm chart's target worker group); empty = anywhere that has CPU/GPU room
     resources: dict[str, float] = field(default_factory=dict)

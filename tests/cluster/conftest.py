@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fake_workers
 import pytest
 from fake_workers import FakeDrafter, FakeTarget, Tracker
 
@@ -15,3 +16,14 @@ def fake_pair():
         return target, FakeDrafter(target, delay=delay)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray for tests that place the fake workers as real actors."""
+    ray = pytest.importorskip("ray")
+    # The fakes live in the tests folder, which Ray's worker processes cannot import: ship them by value.
+    ray.cloudpickle.register_pickle_by_value(fake_workers)
+    ray.init(num_cpus=4, include_dashboard=False, namespace="specd-test-fakes", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -267,3 +267,11 @@ class RaySlowFakeDrafter(RayFakeDrafter):
     def __init__(self, *_args):
         super().__init__()
         self.delay = 0.05
+
+
+class RaySlowFakeTarget(RayFakeTarget):
+    """0.3 s per start and verify: a call is still running when the test kills the actor."""
+
+    def __init__(self, *_args):
+        super().__init__()
+        self.delay = 0.3

@@ -72,15 +72,6 @@ def test_ray_init_starts_a_local_cluster_or_connects() -> None:
     assert kwargs["address"] == "ray://head:10001" and "num_cpus" not in kwargs
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    # The fakes live in the tests folder, which Ray's worker processes cannot import: ship them by value.
-    ray.cloudpickle.register_pickle_by_value(fake_workers)
-    ray.init(num_cpus=4, include_dashboard=False, namespace="specd-test-actors", log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
 
 def test_scheduler_over_ray_actor_handles(ray_session) -> None:
     cfg = config(replicas=2)

@@ -9,7 +9,6 @@ import asyncio
 import time
 
 import fake_workers
-import pytest
 from fake_workers import EOS, target_only
 
 from cluster import actors
@@ -17,15 +16,6 @@ from cluster.scheduler import Scheduler
 from configs.schema import SpecdConfig
 from workers.core.sampling import SamplingParams
 from workers.engine.types import FinishReason, NewRequest, SpecParams
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.cloudpickle.register_pickle_by_value(fake_workers)
-    ray.init(num_cpus=4, include_dashboard=False, namespace="specd-test-faults", log_to_driver=False)
-    yield ray
-    ray.shutdown()
 
 
 def _request(rid: str, first: int, n: int) -> NewRequest:
@@ -77,3 +67,68 @@ def test_killed_drafter_requests_finish_target_only_and_speculation_resumes(ray_
     assert after is not None and after[0] == target_only([10], 20) and after[1].stats.spec.drafted > 0
     assert backs and set(backs) == {0}
     assert not final[0]["drafter_down"]
+
+
+def _two_replicas(ray_session, target_cls):
+    cfg = SpecdConfig(name="test")
+    cfg.target.replicas = 2
+    cfg.target.max_restarts = 1
+    cluster = actors.create_cluster(cfg, "/nonexistent", target_cls, fake_workers.RayFakeDrafter)
+    ray_session.get(cluster.placement_group.ready(), timeout=60)
+    pairs = [(r.target, r.drafter) for r in cluster.replicas]
+    return cluster, Scheduler(pairs, capacity=4, max_queue=8, max_running=8, pipeline_groups=1,
+                              eos_token_ids=[EOS])
+
+
+def test_killed_target_streams_end_unavailable_and_the_replica_comes_back(ray_session) -> None:
+    cluster, sched = _two_replicas(ray_session, fake_workers.RayFakeTarget)
+
+    async def main():
+        await sched.start()
+        running = [asyncio.create_task(sched.generate(_request(f"r{i}", i + 1, 60))) for i in range(4)]
+        while sched.tokens_generated < 12:
+            await asyncio.sleep(0.002)
+        ray_session.kill(cluster.replicas[0].target, no_restart=False)
+        outs = await asyncio.gather(*running)
+        meanwhile = await asyncio.gather(*[sched.generate(_request(f"m{i}", i + 20, 10)) for i in range(2)])
+        deadline = time.monotonic() + 60
+        while sched.serving_replicas() < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        back = await asyncio.gather(*[sched.generate(_request(f"b{i}", i + 30, 10)) for i in range(4)])
+        await sched.stop()
+        return outs, meanwhile, back
+
+    try:
+        outs, meanwhile, back = asyncio.run(main())
+    finally:
+        actors.shutdown_cluster(cluster)
+    ended = [fin for _, fin in outs if fin.stats.replica == 0]
+    assert ended
+    assert all(f.reason == FinishReason.ERROR and f.unavailable and "died" in f.error for f in ended)
+    assert [t for t, f in outs if f.stats.replica == 1] == [
+        target_only([i + 1], 60) for i, (_, f) in enumerate(outs) if f.stats.replica == 1]
+    assert [f.stats.replica for _, f in meanwhile] == [1, 1]                  # out of dispatch at once
+    assert [t for t, _ in meanwhile] == [target_only([i + 20], 10) for i in range(2)]
+    assert [t for t, _ in back] == [target_only([i + 30], 10) for i in range(4)]
+    assert sorted(f.stats.replica for _, f in back) == [0, 0, 1, 1]            # back in dispatch
+
+
+def test_requests_that_streamed_nothing_are_retried_on_the_other_replica(ray_session) -> None:
+    cluster, sched = _two_replicas(ray_session, fake_workers.RaySlowFakeTarget)
+
+    async def main():
+        await sched.start()
+        running = [asyncio.create_task(sched.generate(_request(f"s{i}", i + 1, 8))) for i in range(2)]
+        await asyncio.sleep(0.1)                      # both prefills are running (0.3 s each)
+        ray_session.kill(cluster.replicas[0].target, no_restart=False)
+        outs = await asyncio.gather(*running)
+        await sched.stop()
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        actors.shutdown_cluster(cluster)
+    assert [t for t, _ in outs] == [target_only([i + 1], 8) for i in range(2)]
+    assert [f.reason for _, f in outs] == [FinishReason.LENGTH] * 2
+    assert [f.stats.replica for _, f in outs] == [1, 1]       # the one on replica 0 moved over

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 
@@ -31,6 +32,13 @@ PROMPTS = [
 def _metric(text: str, name: str) -> float:
     values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
     return sum(values)
+
+
+def _streamed(client: SpecdClient, max_new_tokens: int, prompt: str) -> list[int]:
+    ids: list[int] = []
+    for chunk in client.stream(prompt=prompt, max_new_tokens=max_new_tokens):
+        ids += list(chunk.token_ids)
+    return ids
 
 
 def hidden_drafter_dir():
@@ -86,12 +94,7 @@ def server(tmp_path_factory):
 def test_swaps_while_streaming_keep_greedy_output_exact(server) -> None:
     c, port = server["client"], server["handle"].metrics_port
     reference = [c.generate(prompt=p, max_new_tokens=24, speculation=False).token_ids for p in PROMPTS]
-
-    def streamed(prompt: str) -> list[int]:
-        ids: list[int] = []
-        for chunk in c.stream(prompt=prompt, max_new_tokens=24):
-            ids += list(chunk.token_ids)
-        return ids
+    streamed = partial(_streamed, c, 24)
 
     def metrics() -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -133,12 +136,7 @@ def test_redis_and_trainer_killed_while_serving(server) -> None:
     Redis again and writing resumes, Ray restarts the trainer and it reads the stream again."""
     c, port = server["client"], server["handle"].metrics_port
     reference = [c.generate(prompt=p, max_new_tokens=16, speculation=False).token_ids for p in PROMPTS]
-
-    def streamed(prompt: str) -> list[int]:
-        ids: list[int] = []
-        for chunk in c.stream(prompt=prompt, max_new_tokens=16):
-            ids += list(chunk.token_ids)
-        return ids
+    streamed = partial(_streamed, c, 16)
 
     def metric(name: str) -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
