@@ -12,6 +12,7 @@ is imported only inside the functions that need it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import uuid
@@ -46,7 +47,16 @@ def init_ray(cfg: SpecdConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    ray.init(**ray_init_kwargs(cfg))
+    try:
+        ray.init(**ray_init_kwargs(cfg))
+    except Exception as exc:
+        # Seen once on this 2-core machine, on a fresh local start: "The current node timed out during
+        # startup"; the next start worked. A local start is ours to retry; a cluster address is not.
+        if cfg.ray.address:
+            raise
+        logging.getLogger(__name__).warning("local ray.init failed (%s); retrying once", exc)
+        ray.shutdown()
+        ray.init(**ray_init_kwargs(cfg))
     return True
 
 

@@ -109,3 +109,25 @@ def test_serve_refuses_a_backend_it_cannot_drive():
 
     with pytest.raises(ValueError, match="target.backend=torch only"):
         serve(load_config(["target.backend=vllm"]))
+
+
+def test_a_failed_local_ray_start_is_retried_once(monkeypatch) -> None:
+    ray = pytest.importorskip("ray")
+    calls = []
+
+    def flaky_init(**kwargs):
+        calls.append("init")
+        if calls.count("init") == 1:
+            raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", flaky_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    assert actors.init_ray(config()) is True
+    assert calls == ["init", "shutdown", "init"]
+    remote = config()
+    remote.ray.address = "ray-head:6379"     # a cluster's start is not ours to retry
+    calls.clear()
+    with pytest.raises(Exception, match="timed out"):
+        actors.init_ray(remote)
+    assert calls == ["init"]
