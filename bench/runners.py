@@ -24,13 +24,17 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
 
     system = SYSTEMS[job["system"]]
     cfg = load_config(specd_overrides(system, job))
+    if system.defaults:
+        from cluster.first_start import ensure_serving_drafter
+
+        ensure_serving_drafter(cfg, job["model_dir"])   # what `specd serve` does on a machine without one
     t0 = time.perf_counter()
     events.emit("phase", phase="loading")
     engine = build_engine(cfg, speculative=system.spec_enabled, max_running=job["max_batch"],
                           vllm_kwargs={"kv_cache_memory_bytes": job["vllm_kv_cache_bytes"]})
     drafter = engine.drafter if system.backend == "torch" else None
     drafter_version = engine.version() if system.backend == "vllm" else drafter and drafter.version()
-    spec = SpecParams(
+    spec = SpecParams.from_config(cfg.spec) if system.defaults else SpecParams(
         gamma=system.gamma, policy=system.policy, tree_width=system.tree_width, enabled=system.spec_enabled
     )
     load_s = time.perf_counter() - t0

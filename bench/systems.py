@@ -3,6 +3,8 @@
 A system is one way of generating the same tokens from the same prompts with the same target:
 
     target-only      our engine, SpecParams(enabled=False): autoregressive, the baseline of every speed-up
+    specd-default    what `specd serve` runs with no overrides: the suffix drafter beside the model drafter,
+                     goodput-controlled γ up to 8 (configs/); the quick drafter when none is bootstrapped
     transformers     AutoModelForCausalLM.generate on the same converted model directory
     vllm             vLLM autoregressive (bench/vllm_runner.py)
     vllm-ngram       vLLM with its own n-gram (prompt lookup) speculation
@@ -49,6 +51,9 @@ class System:
     vllm_speculative: dict[str, Any] | None = field(default=None, hash=False)
     extra_overrides: tuple[str, ...] = ()       # specd: config overrides the system needs
     compiled: bool = False                      # transformers: static KV cache + torch.compile
+    # specd: run the configuration `specd serve` runs with no overrides (drafter, γ policy and budget from
+    # configs/, the quick drafter when none is bootstrapped); the fields above are then not used
+    defaults: bool = False
 
     @property
     def speculative(self) -> bool:
@@ -56,6 +61,8 @@ class System:
 
     @property
     def needs_model_drafter(self) -> bool:
+        if self.defaults:
+            return False    # the runner finds (or makes) the drafter `specd serve` would use
         return self.drafter_kind in ("model", "hybrid") or (
             self.drafter_kind == "suffix" and "drafter.suffix_with_model=false" not in self.extra_overrides
         )
@@ -71,6 +78,8 @@ SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
         System("target-only", "specd", "our engine, autoregressive (no drafter)"),
+        System("specd-default", "specd", "specd serve's default configuration (no overrides)",
+               spec_enabled=True, defaults=True),
         System("transformers", "transformers", "transformers generate(), same model dir"),
         # Minutes of compilation per shape on a CPU, so only run when named (the GPU baseline).
         System("transformers-compiled", "transformers",
@@ -118,6 +127,11 @@ SYSTEMS: dict[str, System] = {
 def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
     """Config overrides for one specd system: the user's first, then what the benchmark must fix."""
     out = list(job.get("overrides", []))
+    if system.defaults:
+        # only what the benchmark must fix (model, threads, sizes): speculation exactly as configured
+        return out + [f"target.model_path={job['model_dir']}", f"target.num_threads={job.get('threads', 2)}",
+                      f"target.max_slots={job['max_batch']}", f"target.max_seq_len={job['max_seq_len']}",
+                      f"drafter.max_slots={job['max_batch']}"]
     out += [
         f"target.model_path={job['model_dir']}",
         f"target.num_threads={job.get('threads', 2)}",

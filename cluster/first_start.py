@@ -31,7 +31,9 @@ def ensure_serving_drafter(cfg, model_dir: str) -> str | None:
 
     d = cfg.drafter
     hidden = bool(d.target_hidden) and cfg.target.backend == "torch"
-    if d.kind not in ("model", "hybrid") or d.path:
+    from workers.drafters.registry import drafter_class
+
+    if d.path or not drafter_class(d.kind).has_weights(d):
         return None
     if (default_drafter_dir(cfg.cache_dir, target_hidden=hidden) / "config.json").exists():
         return None

@@ -64,9 +64,11 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
     log.info("replay records -> %s stream %s (MAXLEN ~%d)", endpoint.url, r.stream, r.maxlen)
     if not cfg.trainer.enabled:
         return parts
-    if cfg.drafter.kind != "model":
-        log.warning("trainer off: drafter.kind=%s has no weights to train (use drafter.kind=model)",
-                    cfg.drafter.kind)
+    from workers.drafters.registry import drafter_class
+
+    if not drafter_class(cfg.drafter.kind).has_weights(cfg.drafter):
+        log.warning("trainer off: drafter.kind=%s has no model drafter to train (use model, hybrid, or "
+                    "suffix with drafter.suffix_with_model=true)", cfg.drafter.kind)
         return parts
     parts.trainer = start_trainer_actor(cfg, endpoint)
     parts.store = str(store_root(cfg))

@@ -6,7 +6,7 @@ nothing else; keys after it (the yaml's own, then the command line's) still over
 The cluster group's options touch only the placement keys of the ray, target and drafter sections,
 and come after the section groups in configs/config.yaml, so `cluster=ray` does not undo `model=...`.
 
-The schema's defaults equal the default options (model=smollm2, drafter=hidden, spec=chain,
+The schema's defaults equal the default options (model=smollm2, drafter=suffix, spec=goodput,
 server=local, replay=embedded, trainer=osd, cluster=local), so a yaml of one's own that lists only
 `specd_schema` gets them too.
 """
@@ -52,9 +52,12 @@ DRAFTER = {
 }
 
 SPEC = {
-    "chain": SpecConfig(),
+    # goodput-driven γ (0..8) per request and step: drafting only where it raises the batch's tokens/s
+    "goodput": SpecConfig(),
+    # fixed γ = 3 chains (the best fixed γ here for the model drafter)
+    "chain": SpecConfig(gamma=3, policy=GammaPolicyName.fixed),
     # a token tree: width 3 at each level, depth 4 (verifying 16 tokens costs about what 4 cost on CPU)
-    "tree": SpecConfig(gamma=4, tree_width=3),
+    "tree": SpecConfig(gamma=4, tree_width=3, policy=GammaPolicyName.fixed),
     # the adaptive policy picks γ (and tree size) per request from its acceptance, up to gamma_max
     "adaptive": SpecConfig(policy=GammaPolicyName.adaptive, gamma=4, tree_width_max=4),
     # target-only decoding: the baseline every speculative mode must beat

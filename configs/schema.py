@@ -106,7 +106,10 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    kind: DrafterKind = DrafterKind.model   # workers.drafters.registry.DRAFTERS: model, ngram, hybrid, suffix
+    # workers.drafters.registry.DRAFTERS: model, ngram, hybrid, suffix. Default: the suffix index over
+    # served traffic and each request's own context, with the model drafter where it promises more
+    # (README "Goodput-driven γ and the suffix drafter": what it measured against model alone).
+    kind: DrafterKind = DrafterKind.suffix
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
     # With path None: the bootstrapped drafter that reads the target's hidden states (boot-hidden), or,
     # when False, the token-only one (boot-default). The vLLM backend always takes the token-only one:
@@ -153,12 +156,16 @@ class DrafterConfig:
 class SpecConfig:
     # false = target-only decoding (requests may still turn it off one by one)
     enabled: bool = True
-    # Default draft length when a request does not say. 3, measured here with the bootstrapped
-    # drafter (GSM8K, batch 1, greedy, 16 prompts, one process): 1.61x over target-only vs 1.56x at 4.
-    gamma: int = 3
+    # A request's draft-length budget when it does not say: the γ the fixed policy drafts, the most the
+    # others (goodput: the default) may plan. The fixed policy's best here was 3 (spec=chain; GSM8K,
+    # batch 1, greedy, 16 prompts: 1.61x over target-only vs 1.56x at 4); goodput plans up to 8 and
+    # drafts deep only where acceptance pays for it (long suffix matches).
+    gamma: int = 8
     gamma_min: int = 0                  # operator bounds a request's gamma must fall within
     gamma_max: int = 8                  # (gamma_min .. gamma_max) a request's gamma must fall within
-    policy: GammaPolicyName = GammaPolicyName.fixed   # fixed | egag | confidence | adaptive | goodput
+    # fixed | egag | confidence | adaptive | goodput. goodput (default) picks γ per request and step for
+    # the batch's tokens/s, 0 where drafting cannot pay, so speculation never loses to target-only.
+    policy: GammaPolicyName = GammaPolicyName.goodput
     # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row)
     goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     goodput_prior: float = 0.6          # goodput: acceptance per position assumed before any is measured

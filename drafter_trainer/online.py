@@ -76,6 +76,7 @@ class OnlineTrainer:
         self.source = source
         self.target_dir = Path(target_dir)
         self.store = VersionStore(store_root, keep=cfg.keep_versions)
+        self._known_versions: dict[str, bool] = {}     # recorded version -> published in the store
         self.target_checksum = target_checksum(self.target_dir)
         self.teacher = teacher or TargetTeacher(self.target_dir, top_k=cfg.teacher_topk, device=cfg.device)
         self.stats = TrainerStats()
@@ -144,10 +145,18 @@ class OnlineTrainer:
         so its steps under the new version understate it: counting them rolled every new version back
         in `specd bench osd` (0.14-0.17 live against the parent's 0.20-0.22, four versions in a row)."""
         steps = record_steps(record)
-        first = next((version for _, drafted, _, version in steps if drafted > 0), None)
+        # Only the model drafter's versions are the store's: a combined drafter's other sources (suffix,
+        # n-gram) record their own version on the steps they drafted, and those say nothing of the weights.
+        first = next((v for _, drafted, _, v in steps if drafted > 0 and self._published(v)), None)
         for _, drafted, accepted, version in steps:
             if version == first:
                 self.monitor.observe(version, drafted, accepted)
+
+    def _published(self, version: str) -> bool:
+        known = self._known_versions.get(version)
+        if known is None:
+            known = self._known_versions[version] = version_dir(self.store.root, version).is_dir()
+        return known
 
     def _decode(self, entry_id: str, data: bytes):
         self._unacked.append(entry_id)

@@ -16,7 +16,7 @@ from configs.schema import DrafterKind, GammaPolicyName
 
 def test_defaults_equal_the_default_group_options() -> None:
     # a yaml that lists only specd_schema gets what configs/config.yaml picks
-    picked = load_config(["model=smollm2", "drafter=hidden", "spec=chain", "server=local", "cluster=local"])
+    picked = load_config(["model=smollm2", "drafter=suffix", "spec=goodput", "server=local", "cluster=local"])
     assert asdict(picked) == asdict(load_config())
 
 

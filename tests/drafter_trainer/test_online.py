@@ -18,7 +18,7 @@ from drafter_trainer.online_data import TargetTeacher, make_example
 from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
 from proto.replay_codec import RecordBuilder, encode_record
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
-from workers.drafters.versions import read_current, target_checksum
+from workers.drafters.versions import read_current, target_checksum, version_dir
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 
@@ -161,14 +161,19 @@ def test_a_collapsed_version_is_rolled_back_to_its_parent(tmp_path, tiny_llama_d
 def test_live_acceptance_counts_a_request_only_under_the_version_it_started_with(
         tmp_path, tiny_llama_dir, redis_server, teacher, continuations):
     trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, stream="s-live")
+    for published in ("old", "new"):
+        version_dir(trainer.store.root, published).mkdir(parents=True)
     prompt, output = continuations[0]
     b = RecordBuilder("req-swap", prompt, domain="test")
     b.first_tokens(output[:1])
-    for k, version in enumerate(["old", "old", "new", "new", "new"]):   # swapped after two steps
+    # a combined drafter: the suffix index drafted the first step (its own version), then the model drafter;
+    # swapped after its first two steps
+    for k, version in enumerate(["suffix-24", "old", "old", "suffix-24", "new", "new"]):
         b.step(output[1 + 2 * k : 3 + 2 * k], accepted=1, bonus=False, emitted=output[1 + 2 * k : 3 + 2 * k],
                drafter_version=version)
     trainer._observe_live(b.finish())
-    assert trainer.monitor.totals == {"old": [2, 4, 2]}    # the new version's steps read stale K/V
+    # the new version's steps read stale K/V; the suffix steps say nothing of the weights
+    assert trainer.monitor.totals == {"old": [2, 4, 2]}
 
 
 def test_live_monitor_rolls_back_below_parent_by_margin_only_after_a_window() -> None:

@@ -47,6 +47,13 @@ class DraftProposal:
     tokens: list[list[int]]
     probs: torch.Tensor | None = None  # [batch, max γ of the batch, vocab]; None = deterministic (one-hot)
     drafter_version: str = ""
+    # Who drafted each row when a combined drafter mixes sources (the model drafter's weights version, or
+    # the suffix / n-gram source); None = drafter_version for every row. Recorded per step, so acceptance
+    # per version (metrics, the trainer's rollback check) counts only the steps that version drafted.
+    row_versions: list[str] | None = None
+
+    def version_of(self, row: int) -> str:
+        return self.row_versions[row] if self.row_versions is not None else self.drafter_version
 
     @property
     def num_drafted(self) -> list[int]:
@@ -69,6 +76,10 @@ class DraftTree:
     parents: list[list[int]]
     probs: torch.Tensor | None = None  # [batch, max nodes of the batch, vocab]; None = deterministic
     drafter_version: str = ""
+    row_versions: list[str] | None = None   # as DraftProposal.row_versions
+
+    def version_of(self, row: int) -> str:
+        return self.row_versions[row] if self.row_versions is not None else self.drafter_version
 
 
 class Drafter(ABC):
@@ -81,6 +92,18 @@ class Drafter(ABC):
     name: ClassVar[str] = ""
     version: str = ""
     uses_target_hidden: bool = False   # True: add_request and commit need the target's hidden states
+
+    @classmethod
+    def has_weights(cls, cfg) -> bool:
+        """Whether a drafter built from this DrafterConfig holds a model drafter whose weights online
+        distillation trains and hot-swaps (the trainer starts only then)."""
+        return False
+
+    @property
+    def weights_drafter(self) -> Drafter | None:
+        """The model drafter inside this one whose weights the trainer's versions replace (itself for the
+        model drafter, the inner one for combined drafters); None when it has no weights."""
+        return None
 
     @classmethod
     @abstractmethod
@@ -160,7 +183,8 @@ class Drafter(ABC):
         chain = self.propose(request_ids, depths, params, policy=policy, states=states)
         parents = [list(range(len(tokens))) for tokens in chain.tokens]
         return DraftTree(
-            tokens=chain.tokens, parents=parents, probs=chain.probs, drafter_version=chain.drafter_version
+            tokens=chain.tokens, parents=parents, probs=chain.probs, drafter_version=chain.drafter_version,
+            row_versions=chain.row_versions,
         )
 
 

@@ -24,7 +24,19 @@ class HybridDrafter(Drafter):
     def __init__(self, model: ModelDrafter, ngram: NGramDrafter, min_match: int = 2):
         self.model, self.ngram, self.min_match = model, ngram, min_match
         self.uses_target_hidden = model.uses_target_hidden
-        self.version = f"{model.version}+{ngram.version}"
+
+    @property
+    def version(self) -> str:
+        # read each time: a hot swap replaces the model drafter's weights (and version) directly
+        return f"{self.model.version}+{self.ngram.version}"
+
+    @classmethod
+    def has_weights(cls, cfg) -> bool:
+        return True
+
+    @property
+    def weights_drafter(self) -> ModelDrafter:
+        return self.model
 
     @classmethod
     def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
@@ -57,7 +69,8 @@ class HybridDrafter(Drafter):
         model_gammas = [0 if c else g for c, g in zip(copied, gammas, strict=True)]
         out = self.model.propose(request_ids, model_gammas, params, policy=policy, states=states)
         tokens = [d if c else t for (d, _), c, t in zip(lookups, copied, out.tokens, strict=True)]
-        return DraftProposal(tokens, self._probs(tokens, copied, out.probs, params), self.version)
+        rows = [self.ngram.version if c else self.model.version for c in copied]
+        return DraftProposal(tokens, self._probs(tokens, copied, out.probs, params), self.version, rows)
 
     def _probs(self, tokens, copied, model_probs, params) -> torch.Tensor | None:
         """q [batch, γmax, vocab]: the model's rows, one-hot rows for copied drafts; None if all greedy."""
@@ -77,5 +90,4 @@ class HybridDrafter(Drafter):
 
     def load(self, path) -> str:
         self.model.load(path)
-        self.version = f"{self.model.version}+{self.ngram.version}"
         return self.version

@@ -98,6 +98,14 @@ class ModelDrafter(Drafter):
         self.seqs: dict[str, _DraftSeq] = {}
 
     @classmethod
+    def has_weights(cls, cfg) -> bool:
+        return True
+
+    @property
+    def weights_drafter(self) -> ModelDrafter:
+        return self
+
+    @classmethod
     def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
         return cls(
             resolve_drafter_dir(cfg.path, cache_dir, getattr(cfg, "target_hidden", False)),

@@ -76,11 +76,21 @@ class SuffixDrafter(Drafter):
         self._next_key = 0
         self.requests: dict[str, _Request] = {}
         self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
-        self.version = self._version()
+        # the version recorded for steps the suffix index drafted (model-drafted steps: the model's)
+        self.suffix_version = f"suffix-{self.max_depth}"
 
-    def _version(self) -> str:
-        suffix = f"suffix-{self.max_depth}"
-        return suffix if self.model is None else f"{self.model.version}+{suffix}"
+    @property
+    def version(self) -> str:
+        # read each time: a hot swap replaces the model drafter's weights (and version) directly
+        return self.suffix_version if self.model is None else f"{self.model.version}+{self.suffix_version}"
+
+    @classmethod
+    def has_weights(cls, cfg) -> bool:
+        return bool(cfg.suffix_with_model)
+
+    @property
+    def weights_drafter(self) -> Drafter | None:
+        return self.model
 
     @classmethod
     def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
@@ -139,7 +149,8 @@ class SuffixDrafter(Drafter):
             extra = {"hidden": hidden} if self.uses_target_hidden else {}
             self.model.commit(request_id, num_accepted, new_tokens, **extra)
         if req.source is not None:
-            self.counts[req.source]["accepted"] += num_accepted
+            if not request_id.startswith(SCRATCH_PREFIX):
+                self.counts[req.source]["accepted"] += num_accepted
             if req.source == "model":
                 drafted = req.last_drafted
                 trials = num_accepted + (1 if num_accepted < drafted else 0)
@@ -211,7 +222,7 @@ class SuffixDrafter(Drafter):
     def _record(self, request_id: str, source: str | None, drafted: int) -> None:
         req = self.requests[request_id]
         req.source, req.last_drafted = (source, drafted) if drafted else (None, 0)
-        if drafted:
+        if drafted and not request_id.startswith(SCRATCH_PREFIX):   # the start-up profile's are not traffic
             self.counts[source]["steps"] += 1
             self.counts[source]["drafted"] += drafted
 
@@ -237,7 +248,11 @@ class SuffixDrafter(Drafter):
                         break
             self._record(rid, src or ("model" if i in rows else None), len(tokens[i]))
         probs = self._merge_probs(tokens, rows, model_probs, params)
-        return DraftProposal(tokens, probs, self.version)
+        return DraftProposal(tokens, probs, self.version, self._row_versions(rows, len(tokens)))
+
+    def _row_versions(self, model_rows: list[int], batch: int) -> list[str]:
+        model = set(model_rows)
+        return [self.model.version if i in model else self.suffix_version for i in range(batch)]
 
     def propose_tree(self, request_ids, depths, widths, params, policy=None, states=None) -> DraftTree:
         check_batch(request_ids, depths, params)
@@ -255,7 +270,8 @@ class SuffixDrafter(Drafter):
             model_probs = out.probs
         for i, (rid, (_, src)) in enumerate(zip(request_ids, picks, strict=True)):
             self._record(rid, src or ("model" if i in rows else None), len(tokens[i]))
-        return DraftTree(tokens, parents, self._merge_probs(tokens, rows, model_probs, params), self.version)
+        probs = self._merge_probs(tokens, rows, model_probs, params)
+        return DraftTree(tokens, parents, probs, self.version, self._row_versions(rows, len(tokens)))
 
     def _merge_probs(self, tokens, model_rows, model_probs, params) -> torch.Tensor | None:
         """q [batch, max nodes, vocab]: the model's rows where it drafted, one-hot elsewhere; None when every
@@ -277,7 +293,6 @@ class SuffixDrafter(Drafter):
         if self.model is None:
             raise ValueError("this suffix drafter has no model drafter to load weights into")
         self.model.load(path)
-        self.version = self._version()
         return self.version
 
 

@@ -161,13 +161,13 @@ class DraftWorker:
         are loaded and verified in the background and applied between steps. Returns the serving version."""
         from workers.engine.hot_swap import DrafterSwapper
 
-        if not hasattr(self.drafter, "load_tensors"):
+        weights = self.drafter.weights_drafter
+        if weights is None:
             raise ValueError(f"drafter kind {type(self.drafter).__name__} has no weights to swap")
         if self._swapper is None:
-            model = self.drafter.runner.model
-            version = self.drafter.version
-            self._swapper = DrafterSwapper(root, target_model_dir, model, version, poll_s).start()
-        return self.drafter.version
+            model = weights.runner.model
+            self._swapper = DrafterSwapper(root, target_model_dir, model, weights.version, poll_s).start()
+        return weights.version
 
     def pin_version(self, version: str | None) -> str:
         """Serve `version` of the version store and no other (None: follow CURRENT again). Loaded and
@@ -175,11 +175,11 @@ class DraftWorker:
         if self._swapper is None:
             raise ValueError("this drafter follows no version store (online training is off)")
         self._swapper.pin = version or None
-        return self.drafter.version
+        return self.drafter.weights_drafter.version
 
     def swap_stats(self) -> dict:
-        s = self._swapper
-        return {"version": self.drafter.version, "swaps": s.swaps if s else 0,
+        s, weights = self._swapper, self.drafter.weights_drafter
+        return {"version": (weights or self.drafter).version, "swaps": s.swaps if s else 0,
                 "rejected": dict(s.rejected) if s else {}}
 
     def _apply_pending_swap(self) -> None:
@@ -187,7 +187,7 @@ class DraftWorker:
         ready = self._swapper.take() if self._swapper is not None else None
         if ready is not None:
             version, tensors = ready
-            self.drafter.load_tensors(tensors, version)
+            self.drafter.weights_drafter.load_tensors(tensors, version)
             self._swapper.applied(version)
 
     def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
@@ -277,7 +277,7 @@ class DraftWorker:
         for i, ((item, r, _), toks) in enumerate(zip(group, out.tokens, strict=True)):
             r.last_drafted, r.last_depth = len(toks), None
             probs = None if out.probs is None or not toks else out.probs[i, : len(toks)]
-            drafts[item.request_id] = Draft(item.request_id, list(toks), probs, None, out.drafter_version)
+            drafts[item.request_id] = Draft(item.request_id, list(toks), probs, None, out.version_of(i))
 
     def _propose_trees(self, group, drafts: dict[str, Draft]) -> None:
         out = self.drafter.propose_tree(
@@ -293,7 +293,7 @@ class DraftWorker:
             r.last_drafted, r.last_depth = len(toks), depth
             probs = None if out.probs is None or not toks else out.probs[i, : len(toks)]
             parents = [-1, *pars] if toks else None
-            drafts[item.request_id] = Draft(item.request_id, list(toks), probs, parents, out.drafter_version)
+            drafts[item.request_id] = Draft(item.request_id, list(toks), probs, parents, out.version_of(i))
 
 
 def fit_tree(depth: int, width: int, room: int) -> tuple[int, int]:

@@ -58,6 +58,25 @@ def test_greedy_identity_and_repeats_draft_from_finished_requests(cfg, target, w
     assert target.free_slots() == cfg.target.max_slots
 
 
+def test_steps_are_recorded_under_the_source_that_drafted_them(cfg, target):
+    """Acceptance per drafter version counts the model's weights only on the steps the model drafted."""
+    cfg.drafter.suffix_with_model = True
+    drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
+    engine = SpecEngine(target, drafter)
+    reqs = [NewRequest(f"v{i}", p, GREEDY, 32, SpecParams(gamma=4)) for i, p in enumerate(PROMPTS)]
+    seqs = engine.generate(reqs, ignore_eos=True)
+    suffix, model = drafter.drafter.suffix_version, drafter.drafter.model.version
+    by_version = {}
+    for seq in seqs:
+        for version, stats in seq.stats.by_version.items():
+            by_version[version] = by_version.get(version, 0) + stats.steps
+    counts = drafter.drafter.stats()["sources"]
+    assert set(by_version) == {suffix, model}
+    assert by_version[model] == counts["model"]["steps"]
+    assert by_version[suffix] == counts["local"]["steps"] + counts["global"]["steps"]
+    assert drafter.drafter.version == f"{model}+{suffix}" and drafter.drafter.weights_drafter.version == model
+
+
 @pytest.fixture(scope="module")
 def exact_workers(tiny_target_dir, tiny_drafter_dir):
     threads = torch.get_num_threads()
