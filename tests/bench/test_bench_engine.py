@@ -32,8 +32,8 @@ def parse(argv):
 def test_full_plan_is_the_issue_matrix():
     plan = resolve_plan(parse([]))
     assert plan.systems == [n for n in SYSTEMS if n != "transformers-compiled"] and len(plan.systems) == 19
-    assert {"specd-default", "specd-goodput", "specd-goodput-tree", "specd-suffix", "specd-suffix-only"} <= set(
-        plan.systems)
+    goodput = {"specd-default", "specd-goodput", "specd-goodput-tree", "specd-suffix", "specd-suffix-only"}
+    assert goodput <= set(plan.systems)
     assert {"specd-chain", "specd-chain-tokens"} <= set(plan.systems)
     assert {"vllm", "vllm-ngram", "vllm-specd-chain", "vllm-specd-ngram"} <= set(plan.systems)
     assert plan.workloads == ["gsm8k", "humaneval"]
