@@ -94,17 +94,24 @@ class StepCostModel:
         return max(per, 0.0) * depth
 
     def step_seconds(
-        self, rows: Sequence[int], depths: Sequence[int], widths: Sequence[int] | None = None
+        self,
+        rows: Sequence[int],
+        depths: Sequence[int],
+        widths: Sequence[int] | None = None,
+        free: Sequence[bool] | None = None,
     ) -> float:
         """rows[i]: tokens request i sends to the target (1 + its draft nodes); depths[i]: its draft levels;
-        widths[i]: candidates per level (a tree level drafts that many rows)."""
+        widths[i]: candidates per level (a tree level drafts that many rows); free[i]: request i's drafts
+        cost no drafter forward (a lookup drafts them: the suffix index)."""
         b = len(rows)
         if b == 0:
             return 0.0
         n = max(rows) if self.padded else sum(rows) / b
         widths = widths or [1] * b
-        drafting = sum(w for d, w in zip(depths, widths, strict=True) if d > 0)
-        return self.verify_seconds(b, n) + self.draft_seconds(drafting, max(depths, default=0))
+        free = free or [False] * b
+        model = [(d, w) for d, w, f in zip(depths, widths, free, strict=True) if d > 0 and not f]
+        drafting = sum(w for _, w in model)
+        return self.verify_seconds(b, n) + self.draft_seconds(drafting, max((d for d, _ in model), default=0))
 
     def observe_verify(self, rows: Sequence[int], seconds: float) -> None:
         """A measured verify forward of len(rows) requests with rows[i] tokens each."""
@@ -176,6 +183,7 @@ class Slot:
     max_depth: int                # γ cap (remaining tokens, operator bounds, the request's own γ)
     max_width: int = 1            # 1 = chains only
     min_depth: int = 0
+    free: bool = False            # this step's drafts cost no drafter forward (a lookup drafts them)
 
 
 @dataclass
@@ -197,13 +205,16 @@ class GoodputController:
         self.costs = costs
         self.min_gain = min_gain  # relative: a move must raise goodput by more than this share
 
-    def seconds(self, depths: Sequence[int], widths: Sequence[int]) -> float:
+    def seconds(
+        self, depths: Sequence[int], widths: Sequence[int], slots: Sequence[Slot] | None = None
+    ) -> float:
         rows = [1 + d * w for d, w in zip(depths, widths, strict=True)]
-        return self.costs.step_seconds(rows, depths, widths)
+        free = [s.free for s in slots] if slots is not None else None
+        return self.costs.step_seconds(rows, depths, widths, free)
 
     def evaluate(self, slots: Sequence[Slot], depths: Sequence[int], widths: Sequence[int]) -> Plan:
         tokens = sum(_per_slot_tokens(slots, depths, widths))
-        return Plan(list(depths), list(widths), tokens, self.seconds(depths, widths))
+        return Plan(list(depths), list(widths), tokens, self.seconds(depths, widths, slots))
 
     def _moves(self, slots: Sequence[Slot], depths: list[int], widths: list[int]):
         """(changed request or None for all, new depths, new widths) of every move from here."""
@@ -222,7 +233,7 @@ class GoodputController:
         depths = [min(s.min_depth, s.max_depth) for s in slots]
         widths = [1] * len(slots)
         gains = _per_slot_tokens(slots, depths, widths)
-        best = Plan(depths, widths, sum(gains), self.seconds(depths, widths))
+        best = Plan(depths, widths, sum(gains), self.seconds(depths, widths, slots))
         while True:
             candidate = None
             for i, d, w in self._moves(slots, best.depths, best.widths):
@@ -230,7 +241,7 @@ class GoodputController:
                     tokens = sum(_per_slot_tokens(slots, d, w))
                 else:
                     tokens = best.expected_tokens - gains[i] + slots[i].acceptance.expected_tokens(d[i], w[i])
-                plan = Plan(d, w, tokens, self.seconds(d, w))
+                plan = Plan(d, w, tokens, self.seconds(d, w, slots))
                 if plan.goodput > (candidate or best).goodput * (1 + self.min_gain):
                     candidate = plan
             if candidate is None:

@@ -82,6 +82,18 @@ class DraftTree:
         return self.row_versions[row] if self.row_versions is not None else self.drafter_version
 
 
+@dataclass
+class DraftHint:
+    """What a drafter can say about one request's next step before the γ plan (the goodput policy reads it).
+
+    alpha[k]: predicted chance that draft k is accepted given drafts 0..k-1 were; len(alpha) is the most it
+    would draft. free: those drafts cost no drafter forward (a lookup, not a model, drafts them).
+    """
+
+    alpha: list[float]
+    free: bool = True
+
+
 class Drafter(ABC):
     """Proposes draft tokens for many requests at once; see the module docstring for the step protocol.
 
@@ -159,6 +171,12 @@ class Drafter(ABC):
     @abstractmethod
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request and free its state."""
+
+    def draft_hints(self, request_ids: list[str], depths: list[int]) -> list[DraftHint | None]:
+        """Called before propose with the same requests and their γ caps: a DraftHint where this drafter
+        knows what its next draft is worth (then it drafts that draft, cut to the planned γ), None where the
+        caller's own estimate should plan (the default: every row)."""
+        return [None] * len(request_ids)
 
     def propose_tree(
         self,

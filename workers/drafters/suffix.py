@@ -31,11 +31,38 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.drafters.base import SCRATCH_PREFIX, Drafter, DraftProposal, DraftTree, check_batch
+from workers.drafters.base import SCRATCH_PREFIX, Drafter, DraftHint, DraftProposal, DraftTree, check_batch
 from workers.drafters.registry import register_drafter
 from workers.drafters.suffix_index import SuffixDraft, SuffixIndex
 
 SOURCES = ("local", "global", "model")
+# Match lengths whose suffix drafts are accepted alike: a longer match predicts its continuation better.
+MATCH_BUCKETS = (2, 3, 5, 9)      # bucket i holds matches >= MATCH_BUCKETS[i] (and below the next)
+
+
+class PositionAcceptance:
+    """Measured acceptance of suffix drafts per match-length bucket and draft position: P(draft k accepted |
+    drafts before it were). It calibrates the index's frequencies, which overrate rare continuations (one
+    occurrence reads as probability 1). Starts from prior pseudo-counts."""
+
+    def __init__(self, depth: int, first: float = 0.5, later: float = 0.8, pseudo: float = 4.0) -> None:
+        prior = [first] + [later] * (depth - 1)
+        self.hits = [[p * pseudo for p in prior] for _ in MATCH_BUCKETS]
+        self.trials = [[pseudo] * depth for _ in MATCH_BUCKETS]
+
+    @staticmethod
+    def bucket(match: int) -> int:
+        return max(i for i, lo in enumerate(MATCH_BUCKETS) if match >= lo or i == 0)
+
+    def alpha(self, match: int, k: int) -> float:
+        b, k = self.bucket(match), min(k, len(self.hits[0]) - 1)
+        return self.hits[b][k] / self.trials[b][k]
+
+    def observe(self, match: int, drafted: int, accepted: int) -> None:
+        b = self.bucket(match)
+        for k in range(min(accepted + (1 if accepted < drafted else 0), len(self.hits[b]))):
+            self.trials[b][k] += 1
+            self.hits[b][k] += k < accepted
 
 
 @dataclass
@@ -45,6 +72,8 @@ class _Request:
     active: list = field(default_factory=list)   # the local index's walk state (SuffixIndex.extend)
     source: str | None = None                     # who drafted the last step
     last_drafted: int = 0                         # and how many tokens
+    last_match: int = 0                           # the suffix match it drafted from
+    decided: tuple[SuffixDraft, str | None] | None = None   # draft_hints' choice for the next propose
     model_alpha: float = 0.6                      # per-token acceptance of model-drafted steps (EMA)
 
 
@@ -76,6 +105,7 @@ class SuffixDrafter(Drafter):
         self._next_key = 0
         self.requests: dict[str, _Request] = {}
         self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
+        self.measured = PositionAcceptance(max_depth)
         # the version recorded for steps the suffix index drafted (model-drafted steps: the model's)
         self.suffix_version = f"suffix-{self.max_depth}"
 
@@ -151,6 +181,8 @@ class SuffixDrafter(Drafter):
         if req.source is not None:
             if not request_id.startswith(SCRATCH_PREFIX):
                 self.counts[req.source]["accepted"] += num_accepted
+                if req.source != "model":
+                    self.measured.observe(req.last_match, req.last_drafted, num_accepted)
             if req.source == "model":
                 drafted = req.last_drafted
                 trials = num_accepted + (1 if num_accepted < drafted else 0)
@@ -212,16 +244,45 @@ class SuffixDrafter(Drafter):
         return 1.0 + draft.score >= model_tokens / (1.0 + self.model_cost * depth)
 
     def _choose(self, request_ids, depths, width: int | list[int]):
+        """(draft, source) per request; source None: the model drafts. A choice draft_hints made for the
+        step is kept (cut to the planned depth): the plan was made for that draft."""
         widths = width if isinstance(width, list) else [width] * len(request_ids)
         picks = []
         for rid, depth, w in zip(request_ids, depths, widths, strict=True):
+            req = self.requests[rid]
+            decided, req.decided = req.decided, None
+            if decided is not None and w == 1:
+                draft, source = decided
+                picks.append((draft.cut(depth), source))
+                continue
             draft, source = self._suffix(rid, depth, w) if depth > 0 else (SuffixDraft(), "local")
-            picks.append((draft, source if self._prefers_suffix(draft, depth, self.requests[rid]) else None))
+            picks.append((draft, source if self._prefers_suffix(draft, depth, req) else None))
         return picks
 
-    def _record(self, request_id: str, source: str | None, drafted: int) -> None:
+    def draft_hints(self, request_ids: list[str], depths: list[int]) -> list[DraftHint | None]:
+        """Where the suffix index would draft (a match that promises more than the model drafter), its draft's
+        predicted acceptance per position: the index's conditional frequency times what suffix drafts of that
+        match length were measured to achieve at that position. Free: a lookup drafts it. Elsewhere None."""
+        hints: list[DraftHint | None] = []
+        for rid, depth in zip(request_ids, depths, strict=True):
+            req = self.requests[rid]
+            draft, source = self._suffix(rid, depth, 1) if depth > 0 else (SuffixDraft(), "local")
+            if not self._prefers_suffix(draft, depth, req):
+                req.decided = (SuffixDraft(), None)
+                hints.append(None)
+                continue
+            req.decided = (draft, source)
+            alpha, prev = [], 1.0
+            for k, path in enumerate(draft.probs):
+                alpha.append(min(1.0, path / prev) * self.measured.alpha(draft.match, k))
+                prev = path
+            hints.append(DraftHint(alpha, free=True))
+        return hints
+
+    def _record(self, request_id: str, source: str | None, drafted: int, match: int = 0) -> None:
         req = self.requests[request_id]
         req.source, req.last_drafted = (source, drafted) if drafted else (None, 0)
+        req.last_match = match
         if drafted and not request_id.startswith(SCRATCH_PREFIX):   # the start-up profile's are not traffic
             self.counts[source]["steps"] += 1
             self.counts[source]["drafted"] += drafted
@@ -246,7 +307,7 @@ class SuffixDrafter(Drafter):
                     if not policy.keep_drafting(states[i], drafted, None):
                         tokens[i] = tokens[i][:drafted]
                         break
-            self._record(rid, src or ("model" if i in rows else None), len(tokens[i]))
+            self._record(rid, src or ("model" if i in rows else None), len(tokens[i]), picks[i][0].match)
         probs = self._merge_probs(tokens, rows, model_probs, params)
         return DraftProposal(tokens, probs, self.version, self._row_versions(rows, len(tokens)))
 
@@ -269,7 +330,7 @@ class SuffixDrafter(Drafter):
                 tokens[i], parents[i] = list(out.tokens[j]), list(out.parents[j])
             model_probs = out.probs
         for i, (rid, (_, src)) in enumerate(zip(request_ids, picks, strict=True)):
-            self._record(rid, src or ("model" if i in rows else None), len(tokens[i]))
+            self._record(rid, src or ("model" if i in rows else None), len(tokens[i]), picks[i][0].match)
         probs = self._merge_probs(tokens, rows, model_probs, params)
         return DraftTree(tokens, parents, probs, self.version, self._row_versions(rows, len(tokens)))
 

@@ -75,6 +75,12 @@ class SuffixDraft:
     parents: list[int] = field(default_factory=list)
     score: float = 0.0
     match: int = 0
+    probs: list[float] = field(default_factory=list)   # each node's path probability (score = their sum)
+
+    def cut(self, depth: int) -> SuffixDraft:
+        """The first `depth` nodes of a chain."""
+        return SuffixDraft(self.tokens[:depth], self.parents[:depth], sum(self.probs[:depth]), self.match,
+                           self.probs[:depth])
 
 
 class SuffixIndex:
@@ -171,6 +177,7 @@ class SuffixIndex:
                 break
             out.tokens.append(tok)
             out.parents.append(parent)
+            out.probs.append(-neg_p)
             out.score += -neg_p
             if level < depth:
                 here = len(out.tokens)

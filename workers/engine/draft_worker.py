@@ -16,7 +16,7 @@ per-position acceptance from what this worker's drafter has achieved so far.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
 from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
@@ -34,6 +34,8 @@ class _DraftRequest:
     generated: int          # tokens the target has emitted so far (the prefill's first token included)
     last_drafted: int = 0
     last_depth: int | None = None
+    hinted: bool = False    # this step is planned from the drafter's DraftHint (a suffix draft), not ρ
+    last_hinted: bool = False
 
 
 def build_policy(name: str, spec_cfg, gamma: int, tree_width: int, **goodput) -> GammaPolicy:
@@ -103,7 +105,7 @@ class DraftWorker:
     def set_cost_profile(self, verify: dict[int, list[float]], draft: dict[int, float] | None = None) -> None:
         """The target's measured verify sweep (workers/engine/profile.py); draft None times this drafter."""
         if draft is None:
-            draft = profile_drafter(self.drafter)
+            draft = profile_drafter(self.drafter, max_seq_len=self.max_seq_len)
         table = {int(b): list(v) for b, v in verify.items()}
         self.costs = StepCostModel(CostProfile(verify=table, draft=draft))
         self.controller.costs = self.costs
@@ -202,8 +204,11 @@ class DraftWorker:
             if item.commit_new_tokens:
                 extra = {"hidden": item.commit_hidden} if self.drafter.uses_target_hidden else {}
                 self.drafter.commit(item.request_id, item.commit_accepted, item.commit_new_tokens, **extra)
-                r.policy.observe(r.state, r.last_drafted, item.commit_accepted, depth=r.last_depth)
-                self.positions.observe(r.last_depth or r.last_drafted, item.commit_accepted)
+                if not r.last_hinted:
+                    # ρ and the worker's per-position counts describe the model drafter; a hinted step's
+                    # outcome is the hinting drafter's to learn (the suffix drafter's measured acceptance)
+                    r.policy.observe(r.state, r.last_drafted, item.commit_accepted, depth=r.last_depth)
+                    self.positions.observe(r.last_depth or r.last_drafted, item.commit_accepted)
                 r.generated += len(item.commit_new_tokens)
             planned.append((item, r, r.request.max_new_tokens - r.generated))
         self._plan_goodput(planned)
@@ -226,7 +231,10 @@ class DraftWorker:
         for group in trees.values():
             self._propose_trees(group, drafts)
         t2 = time.perf_counter()
-        self._observe_drafting(drafts, t2 - t1)
+        for item, r, _ in planned:
+            r.last_hinted, r.hinted = r.hinted and bool(drafts[item.request_id].tokens), False
+        modelled = [drafts[item.request_id] for item, r, _ in planned if not r.last_hinted]
+        self._observe_drafting(modelled, t2 - t1)
         self._busy += t2 - t0
         return [drafts[item.request_id] for item in items]
 
@@ -244,10 +252,19 @@ class DraftWorker:
         if not any(isinstance(r.policy, GoodputGamma) for _, r, _ in planned):
             self.last_plan = None
             return
+        hints = self._hints(planned)
         slots, states = [], []
         for item, r, remaining in planned:
             if isinstance(r.policy, GoodputGamma):
-                slots.append(r.policy.slot(r.state, remaining, cap=item.gamma))
+                slot = r.policy.slot(r.state, remaining, cap=item.gamma)
+                hint = hints.get(item.request_id)
+                if hint is not None:
+                    # this step's draft is known: plan it from its own predicted acceptance and cost
+                    depth = min(slot.max_depth, len(hint.alpha))
+                    slot = replace(slot, acceptance=Acceptance(hint.alpha, depth), max_depth=depth,
+                                   min_depth=min(slot.min_depth, depth), max_width=1, free=hint.free)
+                    r.hinted = True
+                slots.append(slot)
                 states.append(r.state)
             else:
                 cap = max(0, min(item.gamma, remaining - 1))
@@ -258,9 +275,20 @@ class DraftWorker:
         g["predicted"] = self.last_plan.goodput if not g["predicted"] else (
             0.8 * g["predicted"] + 0.2 * self.last_plan.goodput)
 
-    def _observe_drafting(self, drafts: dict[str, Draft], seconds: float) -> None:
+    def _hints(self, planned: list[tuple[DraftItem, _DraftRequest, int]]) -> dict:
+        """The drafter's DraftHints for the goodput policy's chain requests (request id -> hint)."""
+        rows = [(item, r, remaining) for item, r, remaining in planned
+                if isinstance(r.policy, GoodputGamma) and r.request.spec.tree_width == 1]
+        if not rows:
+            return {}
+        caps = [max(0, min(item.gamma, remaining - 1)) for item, _, remaining in rows]
+        hints = self.drafter.draft_hints([item.request_id for item, _, _ in rows], caps)
+        return {item.request_id: h for (item, _, _), h in zip(rows, hints, strict=True) if h is not None}
+
+    def _observe_drafting(self, drafts: list[Draft], seconds: float) -> None:
+        """The drafter's cost model follows the measured propose time of the drafts a model drafted."""
         self._last_draft_seconds = seconds
-        depths = [_depth(d.parents[1:]) if d.parents else len(d.tokens) for d in drafts.values()]
+        depths = [_depth(d.parents[1:]) if d.parents else len(d.tokens) for d in drafts]
         drafting = [x for x in depths if x > 0]
         if drafting:
             self.costs.observe_draft(len(drafting), max(drafting), seconds)

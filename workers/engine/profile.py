@@ -45,6 +45,8 @@ def profile_verify(
     """
     table: dict[int, list[float]] = {}
     measured_n = sorted({n for n in PROFILE_TOKENS if n < max_tokens} | {max_tokens})
+    # a short context (max_seq_len) gets a shorter profile prompt rather than a full cache
+    prompt_len = max(1, min(prompt_len, runner.max_seq_len - max_tokens))
     for b in sorted(set(batch_sizes)):
         if b > runner.num_free:
             continue
@@ -74,10 +76,15 @@ def _timed_extend(runner, slots: list[int], n: int, repeats: int) -> float:
 
 
 def profile_drafter(
-    drafter, batch_sizes: Sequence[int] = (1, 4, 16), prompt_len: int = 64, repeats: int = 2
+    drafter, batch_sizes: Sequence[int] = (1, 4, 16), prompt_len: int = 64, repeats: int = 2,
+    max_seq_len: int | None = None,
 ) -> dict[int, float]:
-    """{b: seconds per drafted level for b rows}: the slope between proposals of depth 3 and depth 1."""
+    """{b: seconds per drafted level for b rows}: the slope between proposals of depth 3 and depth 1.
+    max_seq_len: the drafter's context; the profile's requests fit in it."""
     table: dict[int, float] = {}
+    if max_seq_len is not None:
+        # each timed step commits one token and drafts up to 3 more
+        prompt_len = max(2, min(prompt_len, max_seq_len - 2 * (repeats + 1) - 4))
     for b in sorted(set(batch_sizes)):
         if b <= drafter.max_slots():
             table[b] = _drafter_level_seconds(drafter, b, prompt_len, repeats)

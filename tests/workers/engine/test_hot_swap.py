@@ -44,14 +44,14 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
     start = worker.watch_versions(str(store.root), str(tiny_llama_dir), poll_s=3600)  # checks by hand
     swapper = worker._swapper
     swapper.stop()               # no background checks racing the ones below (it checked an empty store)
-    head_before = worker.drafter.runner.model.lm_head.weight.clone()
+    head_before = worker.drafter.weights_drafter.runner.model.lm_head.weight.clone()
 
     good = _publish(store, token_dir, tiny_llama_dir)
     assert swapper.check() == good
-    assert worker.version() == start                 # parked, not applied until the next step
+    assert worker.swap_stats()["version"] == start                 # parked, not applied until the next step
     worker.propose([])
-    assert worker.version() == good and worker.swap_stats()["swaps"] == 1
-    assert not torch.equal(worker.drafter.runner.model.lm_head.weight, head_before)
+    assert worker.swap_stats()["version"] == good and worker.swap_stats()["swaps"] == 1
+    assert not torch.equal(worker.drafter.weights_drafter.runner.model.lm_head.weight, head_before)
 
     caplog.set_level(logging.WARNING, logger="workers.engine.hot_swap")
     corrupt = _publish(store, token_dir, tiny_llama_dir)
@@ -66,7 +66,7 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
         assert swapper.check() is None and swapper.check() is None   # rejected once, not retried
         assert why in swapper.rejected[bad]
         worker.propose([])
-        assert worker.version() == good
+        assert worker.swap_stats()["version"] == good
     lines = [r for r in caplog.records if "rejected" in r.getMessage()]
     assert len(lines) == 3
 
@@ -92,8 +92,8 @@ def test_a_pinned_version_wins_over_current_until_unpinned(tmp_path, tiny_llama_
     worker.pin_version(first)               # drafter.version_pin (specd admin set): first, not CURRENT
     assert swapper.check() == first
     worker.propose([])                      # applied between steps like any swap
-    assert worker.version() == first and swapper.check() is None
+    assert worker.swap_stats()["version"] == first and swapper.check() is None
     worker.pin_version(None)                # unpinned: CURRENT again
     assert swapper.check() == second
     worker.propose([])
-    assert worker.version() == second
+    assert worker.swap_stats()["version"] == second

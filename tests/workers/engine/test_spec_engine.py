@@ -87,10 +87,11 @@ def test_mixed_batch_of_chains_trees_and_target_only_is_one_forward_per_step(cfg
             return fn(*args, **kwargs)
         return wrapper
 
+    engine = SpecEngine(target, _drafter(cfg, target))   # its start-up cost profile is not a step
     monkeypatch.setattr(target.runner, "extend", counted(target.runner.extend, forwards))
     monkeypatch.setattr(target.runner, "extend_trees", counted(target.runner.extend_trees, forwards))
     monkeypatch.setattr(target, "verify", counted(target.verify, verifies))
-    seqs = SpecEngine(target, _drafter(cfg, target)).generate(reqs, ignore_eos=True)
+    seqs = engine.generate(reqs, ignore_eos=True)
     assert [s.output for s in seqs] == base
     assert seqs[0].stats.drafted > sum(seqs[0].stats.gamma_history) - 1 > 0   # trees really drafted
     assert seqs[2].stats.drafted == 0
