@@ -172,10 +172,12 @@ class Drafter(ABC):
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request and free its state."""
 
-    def draft_hints(self, request_ids: list[str], depths: list[int]) -> list[DraftHint | None]:
-        """Called before propose with the same requests and their γ caps: a DraftHint where this drafter
-        knows what its next draft is worth (then it drafts that draft, cut to the planned γ), None where the
-        caller's own estimate should plan (the default: every row)."""
+    def draft_hints(
+        self, request_ids: list[str], depths: list[int], params: list[SamplingParams]
+    ) -> list[DraftHint | None]:
+        """Called before propose with the same requests, their γ caps and sampling: a DraftHint where this
+        drafter knows what its next draft is worth (then it drafts that draft, cut to the planned γ), None
+        where the caller's own estimate should plan (the default: every row)."""
         return [None] * len(request_ids)
 
     def propose_tree(

@@ -73,6 +73,7 @@ class _Request:
     source: str | None = None                     # who drafted the last step
     last_drafted: int = 0                         # and how many tokens
     last_match: int = 0                           # the suffix match it drafted from
+    greedy: bool = True                           # its sampling, as draft_hints last saw it
     decided: tuple[SuffixDraft, str | None] | None = None   # draft_hints' choice for the next propose
     model_alpha: float = 0.6                      # per-token acceptance of model-drafted steps (EMA)
 
@@ -105,7 +106,8 @@ class SuffixDrafter(Drafter):
         self._next_key = 0
         self.requests: dict[str, _Request] = {}
         self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
-        self.measured = PositionAcceptance(max_depth)
+        # by greedy (True) and sampled (False) requests
+        self.measured = {True: PositionAcceptance(max_depth), False: PositionAcceptance(max_depth)}
         # the version recorded for steps the suffix index drafted (model-drafted steps: the model's)
         self.suffix_version = f"suffix-{self.max_depth}"
 
@@ -182,7 +184,7 @@ class SuffixDrafter(Drafter):
             if not request_id.startswith(SCRATCH_PREFIX):
                 self.counts[req.source]["accepted"] += num_accepted
                 if req.source != "model":
-                    self.measured.observe(req.last_match, req.last_drafted, num_accepted)
+                    self.measured[req.greedy].observe(req.last_match, req.last_drafted, num_accepted)
             if req.source == "model":
                 drafted = req.last_drafted
                 trials = num_accepted + (1 if num_accepted < drafted else 0)
@@ -259,12 +261,14 @@ class SuffixDrafter(Drafter):
             picks.append((draft, source if self._prefers_suffix(draft, depth, req) else None))
         return picks
 
-    def draft_hints(self, request_ids: list[str], depths: list[int]) -> list[DraftHint | None]:
+    def draft_hints(self, request_ids: list[str], depths: list[int], params) -> list[DraftHint | None]:
         """Where the suffix index would draft (a match that promises more than the model drafter), its draft's
         predicted acceptance per position: the index's conditional frequency times what suffix drafts of that
-        match length were measured to achieve at that position. Free: a lookup drafts it. Elsewhere None."""
+        match length were measured to achieve at that position (greedy and sampled requests apart: a sampled
+        one accepts a deterministic draft with the target's probability of it). Free: a lookup drafts it.
+        Elsewhere None."""
         hints: list[DraftHint | None] = []
-        for rid, depth in zip(request_ids, depths, strict=True):
+        for rid, depth, p in zip(request_ids, depths, params, strict=True):
             req = self.requests[rid]
             draft, source = self._suffix(rid, depth, 1) if depth > 0 else (SuffixDraft(), "local")
             if not self._prefers_suffix(draft, depth, req):
@@ -272,9 +276,11 @@ class SuffixDrafter(Drafter):
                 hints.append(None)
                 continue
             req.decided = (draft, source)
+            req.greedy = p.is_greedy
+            measured = self.measured[req.greedy]
             alpha, prev = [], 1.0
             for k, path in enumerate(draft.probs):
-                alpha.append(min(1.0, path / prev) * self.measured.alpha(draft.match, k))
+                alpha.append(min(1.0, path / prev) * measured.alpha(draft.match, k))
                 prev = path
             hints.append(DraftHint(alpha, free=True))
         return hints

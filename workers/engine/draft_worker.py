@@ -282,7 +282,8 @@ class DraftWorker:
         if not rows:
             return {}
         caps = [max(0, min(item.gamma, remaining - 1)) for item, _, remaining in rows]
-        hints = self.drafter.draft_hints([item.request_id for item, _, _ in rows], caps)
+        hints = self.drafter.draft_hints([item.request_id for item, _, _ in rows], caps,
+                                         [r.request.sampling for _, r, _ in rows])
         return {item.request_id: h for (item, _, _), h in zip(rows, hints, strict=True) if h is not None}
 
     def _observe_drafting(self, drafts: list[Draft], seconds: float) -> None:

@@ -128,3 +128,19 @@ def test_plan_batch_hands_each_state_its_choice() -> None:
     plan = GoodputGamma.plan_batch(controller, batch, states)
     assert policy.plan_tree(states[0], 100) == (plan.depths[0], plan.widths[0])
     assert policy.plan_tree(states[1], 100)[0] == plan.depths[1] <= 2
+
+
+def test_free_drafts_pay_where_model_drafts_cannot() -> None:
+    """A drafter forward costing more than a target step rules model drafts out; the same acceptance from a
+    lookup (a suffix match, free) still drafts, and only that request does."""
+    profile = flat_profile(draft=0.05)
+    costs = StepCostModel(profile)
+    model, free = slots(1, 0.8)[0], Slot(Acceptance([0.8], 8), max_depth=8, free=True)
+    plan = GoodputController(costs).plan([model, free])
+    assert plan.depths[0] == 0 and plan.depths[1] >= 4
+    assert plan.seconds == pytest.approx(costs.verify_seconds(2, 1 + plan.depths[1]))   # no drafter time
+    # each token verified costs 10% more: the likely first two drafts pay, the unlikely third does not
+    steep = StepCostModel(CostProfile(verify={b: [0.03 * (1 + 0.1 * n) for n in range(N_MAX)]
+                                              for b in BATCHES}))
+    per_position = Slot(Acceptance([0.9, 0.9, 0.1], 3), max_depth=3, free=True)
+    assert GoodputController(steep).plan([per_position]).depths == [2]

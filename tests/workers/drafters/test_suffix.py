@@ -158,3 +158,27 @@ def test_indexing_is_spread_over_steps() -> None:
         drafter.propose(["b"], [0], [GREEDY])
     assert drafter.stats()["pending_tokens"] == 0 and drafter.stats()["indexed_requests"] == 1
     assert drafter.propose(["b"], [3], [GREEDY]).tokens == [[3, 4, 5]]
+
+
+def test_hints_predict_per_position_acceptance_and_the_planned_draft_is_drafted() -> None:
+    drafter = SuffixDrafter(max_depth=16)
+    drafter.add_request("r", [1, 2, 3, 4, 5, 6, 9, 1, 2, 3])          # own context: 1 2 3 -> 4 5 6 9 ...
+    drafter.add_request("none", [7, 8])
+    hint, nothing = drafter.draft_hints(["r", "none"], [4, 4], [GREEDY, GREEDY])
+    assert nothing is None and hint.free and len(hint.alpha) == 4
+    # one occurrence: frequency 1 everywhere; the prior of a 3-token match: 0.5 first, 0.8 after
+    assert hint.alpha == pytest.approx([0.5, 0.8, 0.8, 0.8])
+    # the controller planned 2 of the 4: exactly those are drafted
+    assert drafter.propose(["r"], [2], [GREEDY]).tokens == [[4, 5]]
+    drafter.commit("r", 0, [7])                                          # both rejected
+    for _ in range(20):                                                 # matches of 3 keep failing
+        drafter.add_request("x", [21, 22, 23, 24, 25, 21, 22, 23])
+        drafter.draft_hints(["x"], [2], [GREEDY])
+        drafter.propose(["x"], [2], [GREEDY])
+        drafter.commit("x", 0, [29])
+        drafter.remove_request("x")
+    drafter.add_request("s", [1, 2, 3, 4, 5, 6, 9, 1, 2, 3])
+    assert drafter.draft_hints(["s"], [4], [GREEDY])[0].alpha[0] < 0.1   # 2 of 24 with the prior
+    # sampled requests are measured apart: still the prior
+    sampled = drafter.draft_hints(["s"], [4], [SamplingParams(temperature=0.7)])[0]
+    assert sampled.alpha[0] == pytest.approx(0.5)
