@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from workers.prompts import SOURCES, chat_messages, encode_prompt, load_prompts, load_split
+from workers.prompts import EVAL_ONLY_SOURCES, SOURCES, chat_messages, encode_prompt, load_prompts, load_split
 
 WORKLOADS = SOURCES
-# Workloads run only when asked for by name (not in the full plan): repeat = bench/repetition.py
-EXTRA_WORKLOADS = ("repeat",)
+# Workloads run only when asked for by name (not in the full plan): repeat = bench/repetition.py; chat =
+# open-ended chat turns no drafter was trained on (data/chat_prompts.jsonl)
+EXTRA_WORKLOADS = ("repeat", *EVAL_ONLY_SOURCES)
 
 
 def workload_prompts(workload: str, num_prompts: int, tokenizer: Any) -> list[tuple[int, list[int]]]:

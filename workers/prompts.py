@@ -8,6 +8,7 @@ drafter never trains on an eval prompt.
 
     gsm8k      rows [0, 1000) train, [1000, 1319) eval
     humaneval  rows [0, 120)  train, [120, 164)   eval
+    chat       no train rows,        [0, 32)      eval (open chat turns no drafter saw)
 
 The files live in <repo>/data (copied from ../shared with their licences); SPECD_DATA_DIR overrides that.
 """
@@ -26,6 +27,9 @@ from typing import Any
 from workers.models.chat import ChatCodec
 
 SOURCES = ("gsm8k", "humaneval")
+# Sources with an eval split only, measured when named, never trained on: open-ended chat turns that no
+# drafter saw (the traffic nobody trained for; data/chat_prompts.jsonl, written for specd).
+EVAL_ONLY_SOURCES = ("chat",)
 SPLIT_NAMES = ("train", "eval")
 
 # source -> split -> [start, stop) row range. Changing these silently leaks eval prompts into
@@ -33,9 +37,10 @@ SPLIT_NAMES = ("train", "eval")
 SPLITS: dict[str, dict[str, tuple[int, int]]] = {
     "gsm8k": {"train": (0, 1000), "eval": (1000, 1319)},
     "humaneval": {"train": (0, 120), "eval": (120, 164)},
+    "chat": {"train": (0, 0), "eval": (0, 32)},
 }
 
-_FILES = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl.gz"}
+_FILES = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl.gz", "chat": "chat_prompts.jsonl"}
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{code}```"
 
@@ -44,7 +49,7 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{
 class Prompt:
     """One prompt of a source file; `text` is the raw question or code stub, before any template."""
 
-    source: str  # "gsm8k" | "humaneval"
+    source: str  # "gsm8k" | "humaneval" | "chat"
     index: int  # row in the source file
     text: str
     reference: str  # the dataset's answer / canonical solution (never shown to the model)
@@ -68,7 +73,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 def load_source(source: str, directory: str | Path | None = None) -> tuple[Prompt, ...]:
     """Every row of one source file, in file order."""
     if source not in _FILES:
-        raise ValueError(f"unknown prompt source {source!r}; known: {SOURCES}")
+        raise ValueError(f"unknown prompt source {source!r}; known: {SOURCES + EVAL_ONLY_SOURCES}")
     return _load_source(source, str(directory or data_dir()))
 
 
@@ -77,6 +82,8 @@ def _load_source(source: str, directory: str) -> tuple[Prompt, ...]:
     rows = _read_rows(Path(directory) / _FILES[source])
     if source == "gsm8k":
         return tuple(Prompt(source, i, r["question"], r["answer"]) for i, r in enumerate(rows))
+    if source == "chat":
+        return tuple(Prompt(source, i, r["prompt"], "") for i, r in enumerate(rows))
     return tuple(Prompt(source, i, r["prompt"], r["canonical_solution"]) for i, r in enumerate(rows))
 
 

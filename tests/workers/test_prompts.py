@@ -88,3 +88,13 @@ def test_chat_template_wraps_gsm8k_verbatim_and_humaneval_with_an_instruction():
     ids = data.encode_prompt(tok, question)
     assert ids == [ord(c) for c in f"<user>{question.text}</><assistant>"]
     assert tok.add_special_tokens_seen == [False]  # the template holds the special tokens already
+
+
+def test_chat_prompts_are_eval_only_and_never_trained_on():
+    from workers.prompts import EVAL_ONLY_SOURCES, SOURCES, load_prompts, load_split
+
+    chat = load_split("chat", "eval")
+    assert len(chat) == 32 and all(p.source == "chat" and p.text.strip() for p in chat)
+    assert load_split("chat", "train") == []
+    assert "chat" in EVAL_ONLY_SOURCES and "chat" not in SOURCES    # no default mix trains on it
+    assert all(p.source != "chat" for p in load_prompts("train"))
