@@ -184,6 +184,7 @@ class Slot:
     max_width: int = 1            # 1 = chains only
     min_depth: int = 0
     free: bool = False            # this step's drafts cost no drafter forward (a lookup drafts them)
+    setup_seconds: float = 0.0    # drafter work before its first draft (catching up on a long context)
 
 
 @dataclass
@@ -210,7 +211,8 @@ class GoodputController:
     ) -> float:
         rows = [1 + d * w for d, w in zip(depths, widths, strict=True)]
         free = [s.free for s in slots] if slots is not None else None
-        return self.costs.step_seconds(rows, depths, widths, free)
+        setup = sum(s.setup_seconds for s, d in zip(slots, depths, strict=True) if d > 0) if slots else 0.0
+        return self.costs.step_seconds(rows, depths, widths, free) + setup
 
     def evaluate(self, slots: Sequence[Slot], depths: Sequence[int], widths: Sequence[int]) -> Plan:
         tokens = sum(_per_slot_tokens(slots, depths, widths))

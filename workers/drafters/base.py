@@ -172,6 +172,11 @@ class Drafter(ABC):
     def remove_request(self, request_id: str) -> None:
         """Forget a finished or aborted request and free its state."""
 
+    def pending_context(self, request_id: str) -> int:
+        """Tokens of the request's context a model drafter has not taken in yet (it takes them in before it
+        next drafts for the request: a prompt, or what was committed while it did not draft). 0 here."""
+        return 0
+
     def draft_hints(
         self, request_ids: list[str], depths: list[int], params: list[SamplingParams]
     ) -> list[DraftHint | None]:

@@ -46,6 +46,9 @@ class HybridDrafter(Drafter):
         ngram = NGramDrafter.from_config(cfg, target_model_dir=target_model_dir)
         return cls(model, ngram, min_match=cfg.hybrid_min_match)
 
+    def pending_context(self, request_id: str) -> int:
+        return self.model.pending_context(request_id) if self.model is not None else 0
+
     def max_slots(self) -> int:
         return self.model.max_slots()
 

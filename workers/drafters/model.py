@@ -58,6 +58,11 @@ def read_drafter_version(path: str | Path) -> str:
     return Path(path).name
 
 
+# Feeds of at most this many tokens catch up together in one forward (padded to the longest); longer ones
+# (prompts, long stretches without drafting) each get a prefill of their own.
+CATCH_UP_BATCHED = 16
+
+
 @dataclass
 class _DraftSeq:
     slot: int
@@ -133,14 +138,31 @@ class ModelDrafter(Drafter):
             # token 0 has no predecessor state: zeros (the training data does the same)
             feats = torch.cat([feats.new_zeros(1, self.hidden_size), feats])  # [len(prompt), H]
         slot = self.runner.allocate()
-        if len(prompt_tokens) > 1:
-            prefix = None if feats is None else [feats[:-1]]
-            self.runner.prefill([slot], [prompt_tokens[:-1]], features=prefix)
         # The drafter's randomness is its own stream: seeded requests stay reproducible end to end.
         gen = self.unseeded if seed is None else make_generator((seed + 0x5EED) % SEED_RANGE)
-        self.seqs[request_id] = _DraftSeq(
-            slot, gen, feed=[prompt_tokens[-1]], feed_hidden=None if feats is None else feats[-1:]
-        )
+        # The whole prompt waits in the feed: it enters the cache when this drafter first drafts for the
+        # request (_catch_up). A request the γ policy never drafts for (high load) costs no drafter forward.
+        self.seqs[request_id] = _DraftSeq(slot, gen, feed=list(prompt_tokens), feed_hidden=feats)
+
+    def pending_context(self, request_id: str) -> int:
+        return len(self.seqs[request_id].feed) - 1
+
+    def _catch_up(self, seqs: list[_DraftSeq]) -> None:
+        """Put all but the newest token of each feed into the cache, so drafting then runs one token per row:
+        a long feed (a prompt, or tokens committed while the request did not draft) goes in a prefill of
+        its own, short ones together in one forward, so no row is padded to another's length."""
+        waiting = [s for s in seqs if len(s.feed) > 1]
+        short = [s for s in waiting if len(s.feed) <= CATCH_UP_BATCHED]
+        groups = [[s] for s in waiting if len(s.feed) > CATCH_UP_BATCHED] + ([short] if short else [])
+        for group in groups:
+            feats = None
+            if self.uses_target_hidden:
+                feats = [s.feed_hidden[:-1] for s in group]
+            self.runner.prefill([s.slot for s in group], [s.feed[:-1] for s in group], features=feats)
+            for s in group:
+                s.feed = s.feed[-1:]
+                if s.feed_hidden is not None:
+                    s.feed_hidden = s.feed_hidden[-1:]
 
     def _check_hidden(self, hidden, rows: int, where: str) -> torch.Tensor | None:
         if not self.uses_target_hidden:
@@ -204,6 +226,7 @@ class ModelDrafter(Drafter):
         tokens: list[list[int]] = [[] for _ in request_ids]
         qs: list[list[torch.Tensor]] = [[] for _ in request_ids]
         active = [i for i, g in enumerate(gammas) if g > 0]
+        self._catch_up([seqs[i] for i in active])
         inputs = {i: seqs[i].feed for i in active}
         feats = {i: seqs[i].feed_hidden for i in active}
         while active:
@@ -282,16 +305,7 @@ class ModelDrafter(Drafter):
         rows = [i for i, d in enumerate(depths) if d > 0]
         trees = {i: ([seqs[i].feed[-1]], [-1]) for i in rows}           # (tokens, parents), root first
         q_child: dict[int, list[torch.Tensor | None]] = {i: [None] for i in rows}
-        for i in rows:
-            seq = seqs[i]
-            if len(seq.feed) > 1:
-                extra = {}
-                if self.uses_target_hidden:
-                    extra = dict(features=[seq.feed_hidden[:-1]], staleness=[[0] * (len(seq.feed) - 1)])
-                self.runner.extend([seq.slot], [seq.feed[:-1]], **extra)
-            seq.feed = seq.feed[-1:]
-            if seq.feed_hidden is not None:
-                seq.feed_hidden = seq.feed_hidden[-1:]
+        self._catch_up([seqs[i] for i in rows])
         frontier = {i: [0] for i in rows}
         for level in range(max((depths[i] for i in rows), default=0)):
             rows = [i for i in rows if level < depths[i]]

@@ -143,6 +143,9 @@ class SuffixDrafter(Drafter):
     def hidden_size(self) -> int | None:
         return getattr(self.model, "hidden_size", None)
 
+    def pending_context(self, request_id: str) -> int:
+        return self.model.pending_context(request_id) if self.model is not None else 0
+
     def max_slots(self) -> int:
         return self.model.max_slots() if self.model is not None else super().max_slots()
 

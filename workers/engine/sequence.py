@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from workers.core.stats import RequestStats
 from workers.engine.types import DraftItem, FinishReason, NewRequest, VerifyResult
 
@@ -81,8 +83,11 @@ class Sequence:
         """The prefill's first token: it is no step, so statistics do not count it."""
         return self.append(first_tokens)
 
-    def apply(self, result: VerifyResult, drafter_version: str | None = None) -> list[int]:
-        """Record one verified step and emit its tokens."""
+    def apply(self, result: VerifyResult, drafter_version: str | None = None, drafter_skipped: bool = False
+              ) -> list[int]:
+        """Record one verified step and emit its tokens. drafter_skipped: the step did not ask the drafter
+        (SpecStep's pause under load), so the outcome it has not taken yet grows by this step's tokens and
+        reaches it, whole, with the next DraftItem."""
         self.stats.record_step(
             result.num_drafted,
             result.num_accepted,
@@ -90,8 +95,14 @@ class Sequence:
             drafter_version=drafter_version,
             depth=result.depth,
         )
-        self._last_accepted, self._last_new = result.num_accepted, list(result.new_tokens)
-        self._last_hidden = result.hidden
+        if drafter_skipped and self._last_new:
+            # nothing was drafted this step: the accepted count of the untaken outcome stays
+            self._last_new = self._last_new + list(result.new_tokens)
+            if self._last_hidden is not None and result.hidden is not None:
+                self._last_hidden = torch.cat([self._last_hidden, result.hidden])
+        else:
+            self._last_accepted, self._last_new = result.num_accepted, list(result.new_tokens)
+            self._last_hidden = result.hidden
         return self.append(result.new_tokens)
 
     def abort(self, reason: FinishReason = FinishReason.CANCELLED) -> None:

@@ -38,6 +38,15 @@ from workers.engine.types import Draft, VerifyResult
 log = logging.getLogger(__name__)
 DRAFTER_RETRY_S = 2.0   # how often a step asks a failed drafter whether it is back
 DRAFTER_PROBE_TIMEOUT_S = 0.5
+# When a batch of at least PAUSE_MIN_BATCH speculating requests got no draft at all (the γ policy found
+# nothing worth drafting: high load, or traffic no drafter knows), the next steps do not ask the drafter:
+# its per-step work (commits, suffix lookups, the plan) cost 3-9% of a step at batch 8-16 here, for
+# nothing. The pause starts at PAUSE_STEPS and doubles while the drafter keeps drafting nothing, up to
+# PAUSE_MAX_STEPS; a step that drafts ends it. The paused steps' outcomes reach the drafter together
+# with the next DraftItem.
+PAUSE_STEPS = 2
+PAUSE_MAX_STEPS = 8
+PAUSE_MIN_BATCH = 4
 
 
 @dataclass
@@ -69,6 +78,9 @@ class SpecStep:
         self._last_probe = 0.0
         self.drafter_failures = 0                # drafter calls that raised
         self.fallback_requests = 0               # requests moved to target-only decoding by them
+        self._pause = 0                          # steps left that do not ask the drafter (PAUSE_STEPS)
+        self._next_pause = PAUSE_STEPS           # the next pause's length (doubles while nothing drafts)
+        self.paused_steps = 0
 
     @classmethod
     async def create(cls, target: TargetHandle, drafter: DrafterHandle | None,
@@ -147,6 +159,12 @@ class SpecStep:
             return []
         ids = [s.request_id for s in live]
         drafting = [s for s in live if self._speculates(s)]
+        skipped: set[str] = set()
+        if drafting and self._pause > 0:
+            self._pause -= 1
+            self.paused_steps += 1
+            skipped = {s.request_id for s in drafting}
+            drafting = []
         proposed = []
         if drafting:
             items = [s.next_draft_item() for s in drafting]
@@ -155,7 +173,13 @@ class SpecStep:
             except Exception as exc:
                 self._drafter_failed(exc, [s.request_id for s in drafting])
                 drafting = []
-        plain = [Draft(s.request_id, []) for s in live if not self._speculates(s)]
+            if any(d.tokens for d in proposed):
+                self._next_pause = PAUSE_STEPS
+            elif len(proposed) >= PAUSE_MIN_BATCH:
+                self._pause = min(self._next_pause, PAUSE_MAX_STEPS)
+                self._next_pause = min(2 * self._pause, PAUSE_MAX_STEPS)
+        asked = {d.request_id for d in proposed}
+        plain = [Draft(s.request_id, []) for s in live if s.request_id not in asked]
         drafts = _in_order([*proposed, *plain], ids, "propose")
         results = _in_order(await self.target.verify(drafts, return_hidden=self.hidden), ids, "verify")
         if drafting:
@@ -165,7 +189,8 @@ class SpecStep:
         outcomes = []
         for seq, draft, result in zip(live, drafts, results, strict=True):
             version = draft.drafter_version if result.num_drafted else None
-            outcomes.append(StepOutcome(seq, draft, result, seq.apply(result, drafter_version=version)))
+            emitted = seq.apply(result, drafter_version=version, drafter_skipped=seq.request_id in skipped)
+            outcomes.append(StepOutcome(seq, draft, result, emitted))
         return outcomes
 
     async def release(self, request_ids: list[str]) -> None:

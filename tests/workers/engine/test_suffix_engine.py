@@ -12,6 +12,7 @@ from configs import load_config
 from tests.workers.engine.test_engine_exactness import DEPTH, PROMPT, chi_square_pvalue, exact_joint
 from workers.core import verify_chain, verify_tree
 from workers.core.sampling import SamplingParams
+from workers.engine import step as step_module
 from workers.engine.draft_worker import DraftWorker
 from workers.engine.spec_engine import SpecEngine
 from workers.engine.target_worker import TargetWorker
@@ -110,16 +111,20 @@ def _sampled_pvalue(exact_workers, tree_width: int, samples: int, policy: str = 
     return chi_square_pvalue(counts, exact_joint(target, sampling))
 
 
-@pytest.mark.parametrize("tree_width,policy", [(1, "fixed"), (2, "fixed"), (2, "goodput")])
-def test_sampled_output_has_the_target_distribution(exact_workers, tree_width, policy):
+# (1, "goodput"): chains planned from the suffix drafter's own hints (DraftHint), the default path
+@pytest.mark.parametrize("tree_width,policy", [(1, "fixed"), (2, "fixed"), (1, "goodput"), (2, "goodput")])
+def test_sampled_output_has_the_target_distribution(exact_workers, tree_width, policy, monkeypatch):
     """Seed the global index with several continuations of the prompt, then sample: drafts come from the
     index (and from the outputs of earlier samples, indexed as they finish), one-hot q, exact output."""
+    # 1000 requests in one batch: a step that drafts nothing must not pause the drafter for the rest
+    monkeypatch.setattr(step_module, "PAUSE_STEPS", 0)
     pvalue = _sampled_pvalue(exact_workers, tree_width, 1000, policy)
     assert pvalue > 1e-3, f"p-value {pvalue:.2e}: the engine's tokens are not target-distributed"
 
 
 def test_the_same_test_fails_on_a_broken_verifier(exact_workers, monkeypatch):
     """Recovering from p instead of norm(max(0, p - q)) over-weights the drafted tokens: detected."""
+    monkeypatch.setattr(step_module, "PAUSE_STEPS", 0)
     for module in (verify_chain, verify_tree):
         monkeypatch.setattr(module, "residual_weights", lambda p, q: p)
     pvalue = _sampled_pvalue(exact_workers, 1, 500)

@@ -211,3 +211,49 @@ def test_feature_drafter_drafts_real_trees_from_a_fresh_cache(cfg, target, hidde
         drafter.commit("t0", res.num_accepted, res.new_tokens, hidden=res.hidden)
         text, states = text + res.new_tokens, torch.cat([states, res.hidden])
     target.release(["t0"])
+
+
+def test_steps_that_pause_the_drafter_reach_it_whole(cfg, target, hidden_drafter_dir, monkeypatch):
+    """A batch that drafted nothing pauses the drafter (workers/engine/step.py); the outcomes of the paused
+    steps, tokens and the target states that predicted them, reach it together with the next DraftItem (a
+    hidden-state drafter checks that their counts agree), and output stays target-only's."""
+    from workers.engine import step as step_module
+
+    monkeypatch.setattr(step_module, "PAUSE_MIN_BATCH", 1)
+    off = SpecParams(enabled=False)
+    base = SpecEngine(target).generate(
+        [NewRequest(f"pb{i}", p, SamplingParams(), 40, off) for i, p in enumerate(PROMPTS)], ignore_eos=True
+    )
+    drafter = DraftWorker(dataclasses.replace(cfg.drafter, path=str(hidden_drafter_dir), kind="model"),
+                          cfg.spec, str(target.model_dir))
+    inner, calls = drafter.drafter.propose, []
+
+    def every_third_drafts_nothing(rids, gammas, params, **kw):
+        calls.append(1)
+        return inner(rids, gammas if len(calls) % 3 else [0] * len(gammas), params, **kw)
+
+    seen: dict[str, list[int]] = {}                    # the text each request's drafter was given
+    add, commit = drafter.drafter.add_request, drafter.drafter.commit
+
+    def recorded_add(rid, tokens, **kw):
+        seen[rid] = list(tokens)
+        return add(rid, tokens, **kw)
+
+    def recorded_commit(rid, accepted, new_tokens, **kw):
+        seen[rid] += list(new_tokens)
+        return commit(rid, accepted, new_tokens, **kw)
+
+    monkeypatch.setattr(drafter.drafter, "propose", every_third_drafts_nothing)
+    monkeypatch.setattr(drafter.drafter, "add_request", recorded_add)
+    monkeypatch.setattr(drafter.drafter, "commit", recorded_commit)
+    engine = SpecEngine(target, drafter)
+    seqs = engine.generate(
+        [NewRequest(f"ps{i}", p, SamplingParams(), 40, SpecParams(gamma=3)) for i, p in enumerate(PROMPTS)],
+        ignore_eos=True,
+    )
+    assert [s.output for s in seqs] == [s.output for s in base]
+    assert engine.step.paused_steps > 0 and sum(s.stats.drafted for s in seqs) > 0
+    for i, seq in enumerate(seqs):   # no paused step's tokens went missing on the way to the drafter
+        untaken = seq.next_draft_item().commit_new_tokens      # what the drafter would get next
+        assert seen[f"ps{i}"] + untaken == PROMPTS[i] + seq.output
+    assert target.free_slots() == cfg.target.max_slots
