@@ -89,6 +89,9 @@ class DraftWorker:
         self.last_plan = None              # the goodput plan of the latest propose (None: nobody on it)
         self._last_draft_seconds = 0.0
         self.goodput_ema = {"predicted": 0.0, "measured": 0.0}
+        # True when this worker shares the target's device and thread (the in-process engine sets it): its
+        # catch-up prefills then add to the step's time and the goodput plan charges them
+        self.colocated = False
         self._swapper = None
 
     def version(self) -> str:
@@ -283,7 +286,7 @@ class DraftWorker:
         """What a model draft for this request costs first: its untaken context goes in (a prefill). Each
         CATCH_UP_TOKENS of it cost about one drafted level of one row (measured here: a prefill of 80 tokens
         into the 2-layer int8 drafter took ~6 ms, a drafted level ~3 ms)."""
-        pending = self.drafter.pending_context(request_id)
+        pending = self.drafter.pending_context(request_id) if self.colocated else 0
         if pending <= 0:
             return 0.0
         return -(-pending // CATCH_UP_TOKENS) * self.costs.draft_seconds(1, 1)

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 DRAFTER_RETRY_S = 2.0   # how often a step asks a failed drafter whether it is back
 DRAFTER_PROBE_TIMEOUT_S = 0.5
 # When a batch of at least PAUSE_MIN_BATCH speculating requests got no draft at all (the γ policy found
-# nothing worth drafting: high load, or traffic no drafter knows), the next steps do not ask the drafter:
+# nothing worth drafting: high load, or traffic no drafter knows), and the drafter runs in the target's
+# process (the in-process engine; not the router's actors), the next steps do not ask the drafter:
 # its per-step work (commits, suffix lookups, the plan) cost 3-9% of a step at batch 8-16 here, for
 # nothing. The pause starts at PAUSE_STEPS and doubles while the drafter keeps drafting nothing, up to
 # PAUSE_MAX_STEPS; a step that drafts ends it. The paused steps' outcomes reach the drafter together
@@ -175,7 +176,9 @@ class SpecStep:
                 drafting = []
             if any(d.tokens for d in proposed):
                 self._next_pause = PAUSE_STEPS
-            elif len(proposed) >= PAUSE_MIN_BATCH:
+            elif len(proposed) >= PAUSE_MIN_BATCH and self.drafter.mode == "direct":
+                # only a drafter that shares the target's device and thread costs the step its time; an
+                # actor of its own (the router's) works while the target verifies
                 self._pause = min(self._next_pause, PAUSE_MAX_STEPS)
                 self._next_pause = min(2 * self._pause, PAUSE_MAX_STEPS)
         asked = {d.request_id for d in proposed}
