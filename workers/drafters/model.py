@@ -4,8 +4,9 @@ Per request the drafter's cache holds the committed context except its newest to
 they enter the cache at the start of the next proposal, in the same forward that yields the first
 draft's q. A new request's whole prompt starts as its feed, and a long feed (the prompt, or what was
 committed while the γ policy did not draft for it) goes in by a prefill of its own first (_catch_up), so
-a request that is never drafted for costs no drafter forward. Drafts are fed one at a time; after verification the cache rolls back to the verified
-prefix and the target's token joins the feed, so rollback is exact and nothing is recomputed.
+a request that is never drafted for costs no drafter forward. Drafts are fed one at a time; after
+verification the cache rolls back to the verified prefix and the target's token joins the feed, so
+rollback is exact and nothing is recomputed.
 
 A feature drafter (bootstrapped by drafter_trainer/hidden_stage.py) also reads the target's hidden
 states: each token's input gets the target state that predicted it. Drafted tokens the target has not
