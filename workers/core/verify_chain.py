@@ -57,6 +57,7 @@ def verify_chain(
     draft_probs: torch.Tensor | None,  # q [batch, gamma_max, vocab]; None = one-hot on each draft token
     target_probs: torch.Tensor,  # p [batch, gamma_max + 1, vocab], already through logits_to_probs
     generators: list[torch.Generator | None],  # one per row; None = torch's default generator
+    greedy: list[bool] | None = None,  # rows whose p is one-hot (temperature 0): they draw no randomness
 ) -> ChainVerifyOutput:
     batch, gamma_max = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -76,7 +77,7 @@ def verify_chain(
     # Accept x_i with probability min(1, p/q): u < p/q, written without the division so that q = 0 and
     # one-hot rows need no special case. Randomness per row: num_drafts uniforms, then vocab
     # exponentials, whatever the outcome.
-    u = uniform_noise(generators, num_drafts.tolist(), gamma_max, device)  # [batch, gamma_max]
+    u = uniform_noise(generators, num_drafts.tolist(), gamma_max, device, greedy)  # [batch, gamma_max]
     accepted = (u * q_draft < p_draft) & is_real
     # The number accepted is the length of the leading run of True.
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
@@ -96,7 +97,7 @@ def verify_chain(
             q_last = draft_probs[rows, last_draft_pos].to(p_last.dtype)
     recover_from = residual_weights(p_last, q_last)
     weights = torch.where(is_bonus[:, None], p_last, recover_from)
-    last_token = sample_with_noise(weights, exponential_noise(generators, vocab, device))  # [batch]
+    last_token = sample_with_noise(weights, exponential_noise(generators, vocab, device, greedy))  # [batch]
 
     output_tokens = torch.full((batch, gamma_max + 1), -1, dtype=torch.long, device=device)
     keep = positions[None, :] < num_accepted[:, None]

@@ -87,6 +87,7 @@ def verify_tree_batch(
     child_draft_probs: torch.Tensor | None,  # q_c [batch, n, vocab] per node (see module doc); None = one-hot
     target_probs: torch.Tensor,  # p [batch, n, vocab]: row i = distribution after the path to node i
     generators: list[torch.Generator | None],  # one per row; None = torch's default generator
+    greedy: list[bool] | None = None,  # rows whose p is one-hot (temperature 0): they draw no randomness
 ) -> TreeBatchVerifyOutput:
     batch, n, vocab = target_probs.shape
     device = target_probs.device
@@ -101,8 +102,8 @@ def verify_tree_batch(
     real = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
     max_depth = int(depth[real].max())
 
-    u = uniform_noise(generators, num_nodes.tolist(), n, device)  # [batch, n]: u[b, c] tests child c
-    exp_noise = exponential_noise(generators, vocab, device)  # [batch, vocab]: samples the last token
+    u = uniform_noise(generators, num_nodes.tolist(), n, device, greedy)  # [batch, n]: u[b, c] tests child c
+    exp_noise = exponential_noise(generators, vocab, device, greedy)  # [batch, vocab]: samples the last token
 
     node = torch.zeros(batch, dtype=torch.long, device=device)  # current node of each row
     p = target_probs[:, 0]  # [batch, vocab] current target distribution at the current node
@@ -185,6 +186,7 @@ def verify_trees(
     child_draft_probs_list: list[torch.Tensor | None],  # each [n_b, vocab] or None (one-hot)
     target_probs_list: list[torch.Tensor],  # each [n_b, vocab]
     generators: list[torch.Generator | None],
+    greedy: list[bool] | None = None,  # rows whose p is one-hot (temperature 0): they draw no randomness
 ) -> list[TreeVerifyOutput]:
     """A batch of trees of any shapes, padded and verified together."""
     device = target_probs_list[0].device
@@ -202,5 +204,5 @@ def verify_trees(
         for b, probs in enumerate(child_draft_probs_list):
             if probs is not None:
                 q[b, : probs.shape[0]] = probs
-    out = verify_tree_batch(tokens, parents, num_nodes, q, target_probs, generators)
+    out = verify_tree_batch(tokens, parents, num_nodes, q, target_probs, generators, greedy)
     return [out.row(b) for b in range(batch)]

@@ -244,7 +244,8 @@ class ModelDrafter(Drafter):
             last = torch.tensor([len(inputs[i]) - 1 for i in active], device=logits.device)
             logits = logits[torch.arange(len(active), device=logits.device), last]  # [b, V']
             q = self._q(logits, [params[i] for i in active])                    # [b, V']
-            picked = sample(q, [seqs[i].generator for i in active])             # [b]
+            picked = sample(q, [seqs[i].generator for i in active],
+                            [params[i].is_greedy for i in active])                # [b]
             ids = self._to_target_ids(picked)
             still = []
             for j, i in enumerate(active):

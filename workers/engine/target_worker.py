@@ -133,7 +133,7 @@ class TargetWorker:
                 params = [r.sampling for r in requests]
                 generators = [make_generator(p.seed) or self.unseeded for p in params]
                 probs = self._probs(logits[:, None, :], params)[:, 0]                      # [b, vocab]
-                first = sample(probs, generators).tolist()
+                first = sample(probs, generators, [p.is_greedy for p in params]).tolist()
         except Exception:
             for slot in slots:
                 self.runner.free(slot)
@@ -217,7 +217,8 @@ class TargetWorker:
         padded = [list(d.tokens) + [0] * (gamma_max - len(d.tokens)) for d in chain]
         draft_tokens = torch.tensor(padded, dtype=torch.long, device=p.device).view(len(chain), gamma_max)
         q = self._stack_q(chain, gamma_max, p.shape[-1], draft_tokens, p.device)
-        out = verify_chain(draft_tokens, num_drafts, q, p, [runs[i].generator for i in rows])
+        out = verify_chain(draft_tokens, num_drafts, q, p, [runs[i].generator for i in rows],
+                           [runs[i].sampling.is_greedy for i in rows])
         results = {}
         for j, i in enumerate(rows):
             d, run = drafts[i], runs[i]
@@ -262,7 +263,8 @@ class TargetWorker:
                   else torch.cat([p.new_zeros(1, vocab), drafts[i].probs.to(p.device, torch.float32)])
                   for i in rows]                                          # each [n, vocab], row 0 unread
         p_list = [p[i, : len(t)] for i, t in zip(rows, trees, strict=True)]  # each [n, vocab]
-        outs = verify_trees(trees, q_list, p_list, [runs[i].generator for i in rows])
+        outs = verify_trees(trees, q_list, p_list, [runs[i].generator for i in rows],
+                            [runs[i].sampling.is_greedy for i in rows])
         results = {}
         for i, tree, out in zip(rows, trees, outs, strict=True):
             d, run = drafts[i], runs[i]

@@ -142,6 +142,25 @@ def test_seeded_row_does_not_depend_on_its_batch():
     assert torch.equal(narrow[0], wide[0, :2]) and wide[0, 2:].eq(0).all()
 
 
+def test_greedy_rows_draw_no_randomness_and_keep_their_token():
+    one_hot = torch.zeros(3, 40).scatter(-1, torch.tensor([[7], [0], [39]]), 1.0)
+    seeded = make_generator(11)
+    before = seeded.get_state().clone()
+    torch.manual_seed(4)
+    default_before = torch.get_rng_state().clone()
+    tokens = sample(one_hot, [seeded, None, make_generator(2)], greedy=[True, True, True])
+    assert tokens.tolist() == [7, 0, 39]
+    assert torch.equal(seeded.get_state(), before)                 # its own generator untouched
+    assert torch.equal(torch.get_rng_state(), default_before)      # and the shared one too
+    # A sampled row beside greedy ones draws exactly what it draws alone.
+    probs = torch.softmax(torch.randn(1, 40, generator=torch.Generator().manual_seed(3)), dim=-1)
+    alone = sample(probs, [make_generator(9)])
+    beside = sample(torch.cat([one_hot[:1], probs]), [make_generator(1), make_generator(9)],
+                    greedy=[True, False])
+    assert int(alone[0]) == int(beside[1]) and int(beside[0]) == 7
+    assert uniform_noise([make_generator(3)], [4], 4, greedy=[True]).eq(0).all()
+
+
 def test_settings_that_are_off_keep_tiny_probabilities():
     # The mass before the tail rounds to exactly 1.0; "top_p = 1 is off" must still keep the tail.
     probs = process([0.0, -40.0, -40.0], top_p=1.0, top_k=0)
