@@ -12,9 +12,10 @@ requests verified together in one target forward, we pick (γ_i, w_i) to maximis
   moves with the request's own verification results (EMA per position).
 - Seconds come from `StepCostModel`: a table of measured verify forwards over (batch rows, tokens per row)
   and drafter forwards per batch size, profiled at start-up on the actual device and corrected online from
-  measured step times (EMA). Rows of one verify forward are padded to the longest (workers/engine/runner.py),
-  so by default the cost depends on the batch size and the longest row; `padded=False` charges the total
-  instead (a ragged kernel).
+  measured step times (EMA). A verify forward over rows of different lengths costs between its mean and its
+  longest row: the runner's matmuls skip the padding but attention does not (workers/models/layers.py), so
+  the profile measures `pad_weight` w and a batch is priced as n = mean + w · (longest − mean) tokens per
+  row (w = 1: fully padded, the CUDA-graph buckets; `padded=True/False` forces 1 or 0).
 
 Optimisation is greedy: start from γ = 0 everywhere and repeatedly apply the move with the best goodput,
 among "one more draft token for request i", "one more tree candidate for request i" and "lift every
@@ -45,16 +46,20 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 @dataclass
 class CostProfile:
     """Measured seconds: verify[b][n-1] = one target forward over b rows of n tokens (n = 1 + drafts);
-    draft[b] = one drafter forward over b rows of one token (0 for deterministic drafters)."""
+    draft[b] = one drafter forward over b rows of one token (0 for deterministic drafters); pad_weight:
+    what the longest row of a ragged batch costs beyond the mean (see the module docstring)."""
 
     verify: dict[int, list[float]]
     draft: dict[int, float] = field(default_factory=dict)
+    pad_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.verify or any(not row for row in self.verify.values()):
             raise ValueError("a cost profile needs at least one batch size with one measured forward")
         if any(t < 0 for row in self.verify.values() for t in row) or any(t < 0 for t in self.draft.values()):
             raise ValueError("measured seconds must be >= 0")
+        if not 0.0 <= self.pad_weight <= 1.0:
+            raise ValueError(f"pad_weight must be in [0, 1], got {self.pad_weight}")
 
 
 class StepCostModel:
@@ -65,14 +70,14 @@ class StepCostModel:
     with factor `beta` on the new value), so a profile taken on a quiet machine follows the real load.
     """
 
-    def __init__(self, profile: CostProfile, padded: bool = True, beta: float = 0.2) -> None:
+    def __init__(self, profile: CostProfile, padded: bool | None = None, beta: float = 0.2) -> None:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1], got {beta}")
         self.batches = sorted(profile.verify)
         self.verify_table = {b: list(profile.verify[b]) for b in self.batches}
         self.draft_batches = sorted(profile.draft)
         self.draft_table = dict(profile.draft)
-        self.padded = padded
+        self.pad_weight = profile.pad_weight if padded is None else float(padded)
         self.beta = beta
 
     def _verify_row(self, b: int, n: float) -> float:
@@ -106,19 +111,24 @@ class StepCostModel:
         b = len(rows)
         if b == 0:
             return 0.0
-        n = max(rows) if self.padded else sum(rows) / b
+        n = self._tokens_per_row(rows)
         widths = widths or [1] * b
         free = free or [False] * b
         model = [(d, w) for d, w, f in zip(depths, widths, free, strict=True) if d > 0 and not f]
         drafting = sum(w for _, w in model)
         return self.verify_seconds(b, n) + self.draft_seconds(drafting, max((d for d, _ in model), default=0))
 
+    def _tokens_per_row(self, rows: Sequence[int]) -> float:
+        """The uniform row length a batch of these rows costs like."""
+        mean = sum(rows) / len(rows)
+        return mean + self.pad_weight * (max(rows) - mean)
+
     def observe_verify(self, rows: Sequence[int], seconds: float) -> None:
         """A measured verify forward of len(rows) requests with rows[i] tokens each."""
         b = len(rows)
         if b == 0 or seconds <= 0:
             return
-        n = max(rows) if self.padded else sum(rows) / b
+        n = self._tokens_per_row(rows)
         predicted = self.verify_seconds(b, n)
         if predicted <= 0:
             return

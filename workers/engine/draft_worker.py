@@ -107,12 +107,14 @@ class DraftWorker:
     def busy_seconds(self) -> float:
         return self._busy
 
-    def set_cost_profile(self, verify: dict[int, list[float]], draft: dict[int, float] | None = None) -> None:
-        """The target's measured verify sweep (workers/engine/profile.py); draft None times this drafter."""
+    def set_cost_profile(self, verify: dict[int, list[float]], draft: dict[int, float] | None = None,
+                         pad_weight: float = 1.0) -> None:
+        """The target's measured verify sweep and pad weight (workers/engine/profile.py); draft None times
+        this drafter."""
         if draft is None:
             draft = profile_drafter(self.drafter, max_seq_len=self.max_seq_len)
         table = {int(b): list(v) for b, v in verify.items()}
-        self.costs = StepCostModel(CostProfile(verify=table, draft=draft))
+        self.costs = StepCostModel(CostProfile(verify=table, draft=draft, pad_weight=pad_weight))
         self.controller.costs = self.costs
 
     def cost_profile_request(self) -> dict | None:

@@ -83,7 +83,7 @@ class TargetHandle(_Handle):
     async def verify(self, drafts: list[Draft], return_hidden: bool = False) -> list[VerifyResult]:
         return await self._call(self.worker.verify, drafts, return_hidden=return_hidden)
 
-    async def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict[int, list[float]]:
+    async def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict:
         return await self._call(self.worker.profile_verify, batch_sizes=batch_sizes, max_tokens=max_tokens)
 
 
@@ -108,8 +108,8 @@ class DrafterHandle(_Handle):
     async def cost_profile_request(self) -> dict | None:
         return await self._call(self.worker.cost_profile_request)
 
-    async def set_cost_profile(self, verify: dict[int, list[float]]) -> None:
-        await self._call(self.worker.set_cost_profile, verify)
+    async def set_cost_profile(self, verify: dict[int, list[float]], pad_weight: float = 1.0) -> None:
+        await self._call(self.worker.set_cost_profile, verify, pad_weight=pad_weight)
 
     async def goodput_stats(self) -> dict:
         return await self._call(self.worker.goodput_stats)

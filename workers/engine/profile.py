@@ -1,7 +1,9 @@
 """Start-up cost profile for the goodput controller, timed on the device that serves.
 
 A short sweep: target forwards of b rows × n tokens (the shape of a verify step with n - 1 drafts per
-row) at a few batch sizes, and drafter proposals of depth 1 and 3 at the same batch sizes. Cells not
+row) at a few batch sizes, one ragged forward per batch size (one row of max tokens, the others of one:
+how much the longest row costs beyond the mean, `pad_weight`), and drafter proposals of depth 1 and 3 at
+the same batch sizes. Cells not
 measured are interpolated (workers/core/goodput.py extends the table linearly), so the sweep stays a few
 seconds on a CPU. The numbers only steer γ: output is exact whatever they say.
 """
@@ -38,12 +40,15 @@ def profile_verify(
     max_tokens: int = 9,
     prompt_len: int = 64,
     repeats: int = 2,
-) -> dict[int, list[float]]:
-    """{b: [seconds of a forward over b rows of n tokens, n = 1..max_tokens]} on the runner's device.
+) -> dict:
+    """{"verify": {b: [seconds of a forward over b rows of n tokens, n = 1..max_tokens]}, "pad_weight": w}
+    on the runner's device; w in [0, 1] prices a ragged batch as n = mean + w · (longest − mean) rows'
+    tokens (1: every row is padded to the longest; 0: only real tokens cost).
 
     Uses free KV slots of the runner and frees them again; batch sizes above the free slots are skipped.
     """
     table: dict[int, list[float]] = {}
+    weights: list[float] = []
     measured_n = sorted({n for n in PROFILE_TOKENS if n < max_tokens} | {max_tokens})
     # a short context (max_seq_len) gets a shorter profile prompt rather than a full cache
     prompt_len = max(1, min(prompt_len, runner.max_seq_len - max_tokens))
@@ -53,21 +58,34 @@ def profile_verify(
         slots = [runner.allocate() for _ in range(b)]
         try:
             runner.prefill(slots, [[1] * prompt_len for _ in slots])
-            seconds = [_timed_extend(runner, slots, n, repeats) for n in measured_n]
+            seconds = [_timed_extend(runner, slots, [n] * b, repeats) for n in measured_n]
+            table[b] = [interpolate(measured_n, seconds, n) for n in range(1, max_tokens + 1)]
+            if b > 1 and max_tokens > 1:
+                ragged = _timed_extend(runner, slots, [max_tokens] + [1] * (b - 1), repeats)
+                weights.append(_pad_weight(table[b], ragged, b, max_tokens))
         finally:
             for s in slots:
                 runner.free(s)
-        table[b] = [interpolate(measured_n, seconds, n) for n in range(1, max_tokens + 1)]
     if not table:
         raise ValueError(f"no batch size of {list(batch_sizes)} fits the runner's free slots")
-    return table
+    return {"verify": table, "pad_weight": statistics.median(weights) if weights else 1.0}
 
 
-def _timed_extend(runner, slots: list[int], n: int, repeats: int) -> float:
+def _pad_weight(row: list[float], ragged_seconds: float, b: int, longest: int) -> float:
+    """w such that the uniform row at n = mean + w · (longest − mean) takes ragged_seconds."""
+    mean = (longest + b - 1) / b
+    # the uniform row's n that costs ragged_seconds (the row rises with n, up to timing noise)
+    seconds = sorted(row)
+    n_equal = interpolate(seconds, list(range(1, len(row) + 1)), ragged_seconds) if seconds[-1] > seconds[0] \
+        else longest
+    return min(max((n_equal - mean) / (longest - mean), 0.0), 1.0)
+
+
+def _timed_extend(runner, slots: list[int], counts: list[int], repeats: int) -> float:
     base = [runner.length(s) for s in slots]
 
     def forward() -> None:
-        runner.extend(slots, [[1] * n for _ in slots])
+        runner.extend(slots, [[1] * n for n in counts])
         for s, length in zip(slots, base, strict=True):
             runner.rollback(s, length)
         _sync(runner)

@@ -78,6 +78,9 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.full_vocab = full_vocab or self.model.draft_vocab_ids is None
         self._forward = self.model.forward
+        # Ragged rows skip their padding in the matmuls (layers.BatchPlan.real); a compiled forward keeps
+        # the padded shapes, which it can trace.
+        self._ragged = not compile
         if compile:
             # dynamic=True: n (new tokens) and the attended length change every call; one graph
             # per shape would recompile constantly.
@@ -197,6 +200,7 @@ class ModelRunner:
         out = self._forward(
             ids, positions, slots, self.cache, logit_index=logit_index, full_vocab=self.full_vocab,
             features=feats, staleness=stale, return_hidden=return_hidden,
+            counts=counts if self._ragged else None,
         )
         self.cache.lengths[slots] = starts + torch.tensor(counts, device=starts.device)
         return out
@@ -350,6 +354,7 @@ class ModelRunner:
             features=feats,
             staleness=stale,
             return_hidden=return_hidden,
+            counts=sizes if self._ragged else None,
         )
         self.cache.lengths[slots] = starts + torch.tensor(sizes, device=starts.device)
         return logits

@@ -95,7 +95,8 @@ class SpecStep:
             return
         request = await self.drafter.cost_profile_request()
         if request is not None:
-            await self.drafter.set_cost_profile(await self.target.profile_verify(**request))
+            profile = await self.target.profile_verify(**request)
+            await self.drafter.set_cost_profile(profile["verify"], pad_weight=profile["pad_weight"])
 
     def _speculates(self, seq: Sequence) -> bool:
         return (self.drafter is not None and seq.request.spec.enabled

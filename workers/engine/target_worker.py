@@ -153,8 +153,9 @@ class TargetWorker:
             if run is not None:
                 self.runner.free(run.slot)
 
-    def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict[int, list[float]]:
-        """Timed verify-shaped forwards for the goodput controller's cost model (see engine/profile.py)."""
+    def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict:
+        """Timed verify-shaped forwards for the goodput controller's cost model (see engine/profile.py):
+        {"verify": {b: seconds per n}, "pad_weight": w}."""
         t0 = time.perf_counter()
         table = profile_verify(self.runner, batch_sizes=batch_sizes, max_tokens=max_tokens)
         self._busy += time.perf_counter() - t0

@@ -106,15 +106,36 @@ class BatchPlan:
     # reads the cache as a view. Gathering scattered slots would instead copy b * L keys per layer,
     # as many bytes as the weights themselves for a batch of 8 at 1000 tokens.
     runs: list[tuple[int, int, int]]
+    n: int = 1  # new tokens per row, padding included
+    # Ragged rows: flat indices [T] of the real tokens in the [b * n] grid, None when no row is padded.
+    # Matmuls (q/k/v, output, MLP, head) run on the T real tokens only; attention, which needs each row's
+    # tokens side by side, runs on the padded grid. A verify where one row drafts 7 tokens and fifteen
+    # draft none then costs 22 tokens of matmuls, not 128.
+    real: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, slots: list[int], starts: list[int], n: int) -> BatchPlan:
+    def make(cls, slots: list[int], starts: list[int], n: int, counts: list[int] | None = None,
+             device=None) -> BatchPlan:
         runs, first = [], 0
         for i in range(1, len(slots) + 1):
             if i == len(slots) or slots[i] != slots[i - 1] + 1:
                 runs.append((first, i, max(starts[first:i]) + n))
                 first = i
-        return cls(slots, starts, runs)
+        real = None
+        if counts is not None and sum(counts) < len(slots) * n:
+            real = torch.tensor([i * n + j for i, c in enumerate(counts) for j in range(c)], device=device)
+        return cls(slots, starts, runs, n, real)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, n, ...] -> [T, ...] (the real tokens), or x itself when no row is padded."""
+        return x if self.real is None else x.flatten(0, 1).index_select(0, self.real)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [b, n, ...] with zeros at the padding, or x itself when no row is padded."""
+        if self.real is None:
+            return x
+        out = x.new_zeros(len(self.slots) * self.n, *x.shape[1:])
+        return out.index_copy_(0, self.real, x).unflatten(0, (len(self.slots), self.n))
 
 
 class Attention(nn.Module):
@@ -127,15 +148,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [b, n, hidden]
+        x: torch.Tensor,  # [b, n, hidden], or [T, hidden] when plan.real packs ragged rows
         rope: torch.Tensor,  # [b, n, 1, head_dim/2] complex
         mask: torch.Tensor | None,  # [b, 1, n, L] bool, True = attend; None = attend to all L
         cache: KVCache,
         layer: int,
         plan: BatchPlan,
-    ) -> torch.Tensor:
-        b, n, _ = x.shape
-        q, k, v = self.qkv(x, rope)
+    ) -> torch.Tensor:  # like x
+        q, k, v = self.rotate(plan.unpack(self.wqkv(x)), rope)
         cache.write_runs(layer, plan.slots, plan.starts, k, v)
         outs = []
         for first, end, kv_len in plan.runs:
@@ -144,11 +164,17 @@ class Attention(nn.Module):
             run_q = q[first:end]  # [rows, heads, n, d]
             outs.append(F.scaled_dot_product_attention(run_q, keys, values, run_mask, enable_gqa=True))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [b, heads, n, d]
-        return self.project(out)
+        b, _, n, _ = out.shape
+        return self.wo(plan.pack(out.transpose(1, 2).reshape(b, n, self.q_size)))
 
     def qkv(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [b, n, hidden] -> rotated q [b, heads, n, d], rotated k and v [b, kv_heads, n, d]."""
-        qkv = self.wqkv(x)  # [b, n, q + 2 kv]
+        return self.rotate(self.wqkv(x), rope)
+
+    def rotate(
+        self, qkv: torch.Tensor, rope: torch.Tensor  # qkv [b, n, q + 2 kv] (the fused projection)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> rotated q [b, heads, n, d], rotated k and v [b, kv_heads, n, d]."""
         qk = apply_rope(qkv[..., : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim)), rope)
         q = qk[:, :, : self.num_heads].transpose(1, 2)  # [b, heads, n, d]
         k = qk[:, :, self.num_heads :].transpose(1, 2)  # [b, kv_heads, n, d]

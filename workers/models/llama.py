@@ -117,6 +117,7 @@ class Llama(nn.Module):
         features: torch.Tensor | None = None,  # [b, n, hidden] target hidden states (feature drafters)
         staleness: torch.Tensor | None = None,  # [b, n] int: steps each feature is behind its token
         return_hidden: bool = False,
+        counts: list[int] | None = None,  # real tokens per row (the rest is padding); None = all n
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [b, m or n, vocab] for the new tokens; their K/V land in the cache.
 
@@ -128,29 +129,28 @@ class Llama(nn.Module):
         the committed cache[:lengths[slot_i]] plus the new tokens allowed by `attn_mask`.
         cache.lengths is NOT changed here: the caller commits (ModelRunner does).
         Rows with fewer real tokens are right-padded; their padded outputs are garbage, and no real
-        token attends to them under a causal mask.
+        token attends to them under a causal mask. With `counts`, the matmuls skip the padding (see
+        BatchPlan.real) and padded outputs are zeros.
         With a reduced head and full_vocab=False the logits are [.., V_sub] in draft_vocab_ids order.
         """
         b, n = input_ids.shape
         slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
         starts = cache.lengths[slot_list].tolist()
         cache.check_capacity(starts, n)
-        plan = BatchPlan.make(slot_list, starts, n)
+        plan = BatchPlan.make(slot_list, starts, n, counts, input_ids.device)
         mask = self._attention_mask(starts, n, max(starts) + n, attn_mask, input_ids.device)
 
         rope = self.rope[positions.to(self.rope.device)].unsqueeze(2)  # [b, n, 1, d/2] complex
-        x = self.embed(input_ids, features, staleness)  # [b, n, hidden]
+        x = plan.pack(self.embed(input_ids, features, staleness))  # [b, n, hidden] or [T, hidden]
         for layer, block in enumerate(self.layers):
             x = block(x, rope, mask, cache, layer, plan)
-        if return_hidden:
-            hidden = self.norm(x)  # [b, n, hidden]
-            picked = hidden if logit_index is None else hidden.gather(
-                1, logit_index[:, :, None].expand(-1, -1, hidden.shape[-1])
-            )
-            return self._head(picked, full_vocab), hidden
-        if logit_index is not None:
-            x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))  # [b, m, hidden]
-        return self._head(self.norm(x), full_vocab)
+        h = self.norm(x)  # [b, n, hidden] or [T, hidden]
+        if logit_index is None:
+            logits = plan.unpack(self._head(h, full_vocab))  # [b, n, vocab]: the head on real tokens only
+        else:
+            picked = plan.unpack(h).gather(1, logit_index[:, :, None].expand(-1, -1, h.shape[-1]))
+            logits = self._head(picked, full_vocab)  # [b, m, vocab]
+        return (logits, plan.unpack(h)) if return_hidden else logits
 
     def embed(
         self,

@@ -63,6 +63,16 @@ def test_ragged_cost_gives_more_to_the_better_request() -> None:
     assert plan.depths[0] > plan.depths[1]
 
 
+def test_pad_weight_prices_a_ragged_batch_between_its_mean_and_its_longest_row() -> None:
+    profile = CostProfile(verify={4: [0.01 * n for n in range(1, N_MAX + 1)]}, pad_weight=0.25)
+    rows = [5, 1, 1, 1]   # mean 2, longest 5: priced as 2 + 0.25 * 3 = 2.75 tokens per row
+    assert StepCostModel(profile).step_seconds(rows, [4, 0, 0, 0]) == pytest.approx(0.0275)
+    assert StepCostModel(profile, padded=True).step_seconds(rows, [4, 0, 0, 0]) == pytest.approx(0.05)
+    assert StepCostModel(profile, padded=False).step_seconds(rows, [4, 0, 0, 0]) == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="pad_weight"):
+        CostProfile(verify={1: [0.01]}, pad_weight=1.5)
+
+
 def test_bounds_hold() -> None:
     controller = GoodputController(StepCostModel(flat_profile(draft=0.0)))
     plan = controller.plan([Slot(Acceptance([0.99], 8), max_depth=3, max_width=2),

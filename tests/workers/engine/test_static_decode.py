@@ -40,6 +40,8 @@ def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_t
         assert runner.num_free == 0
         runner.prefill(slots, [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5]])
         chain = runner.extend([slots[2], slots[0]], [[6, 7, 8], [3]])  # b=2, n=3: padded to 2 x 4
+        chain = chain.clone()
+        chain[1, 1:] = 0   # padding: garbage in general, zeros from the eager ragged forward
         tree = runner.extend_trees([slots[1]], [[1, 2, 3, 4]], [[-1, 0, 0, 1]])
         # a row reaching max_seq_len exactly: the bucket's padding must not write past it (positions
         # 6..60 hold zeros in both caches)

@@ -128,6 +128,35 @@ def test_logit_index_selects_positions(tiny):
     torch.testing.assert_close(last[:, 0], torch.stack([full[0, 3], full[1, 1]]))
 
 
+def test_ragged_rows_skip_their_padding_and_change_nothing_real(tiny):
+    """counts: the matmuls run on the real tokens only; logits, hidden states and the cache's K/V of the
+    real tokens equal the padded forward's, and padded outputs are zeros."""
+    ids = torch.tensor([[1, 2, 3, 4], [5, 0, 0, 0], [7, 8, 0, 0]])
+    pos = torch.arange(4).expand(3, 4)
+    out = {}
+    for mode, counts in (("padded", None), ("ragged", [4, 1, 2])):
+        cache = _fresh(tiny)
+        slots = [cache.allocate() for _ in range(3)]
+        with torch.inference_mode():
+            for logit_index in (None, torch.tensor([[3], [0], [1]])):
+                res = tiny(ids, pos, slots, cache, logit_index=logit_index, return_hidden=True, counts=counts)
+                out[mode, logit_index is None] = res
+        out[mode, "k"] = cache.k[0, slots].clone()
+    for full in (True, False):
+        (lp, hp), (lr, hr) = out["padded", full], out["ragged", full]
+        for row, n in enumerate([4, 1, 2]):
+            torch.testing.assert_close(hr[row, :n], hp[row, :n], atol=ATOL, rtol=0)
+            assert hr[row, n:].eq(0).all()
+            if full:
+                torch.testing.assert_close(lr[row, :n], lp[row, :n], atol=ATOL, rtol=0)
+                assert lr[row, n:].eq(0).all()
+        if not full:
+            torch.testing.assert_close(lr, lp, atol=ATOL, rtol=0)
+    for row, n in enumerate([4, 1, 2]):
+        ragged_k, padded_k = out["ragged", "k"][row, :, :n], out["padded", "k"][row, :, :n]
+        torch.testing.assert_close(ragged_k, padded_k, atol=ATOL, rtol=0)
+
+
 def test_tree_mask_gives_the_logits_of_the_corresponding_chains(tiny):
     # Tree after a 3-token prefix:     root(40) -> a(41) -> c(43)
     #                                           -> b(42) -> d(44)
