@@ -15,7 +15,9 @@ requests verified together in one target forward, we pick (γ_i, w_i) to maximis
   measured step times (EMA). A verify forward over rows of different lengths costs between its mean and its
   longest row: the runner's matmuls skip the padding but attention does not (workers/models/layers.py), so
   the profile measures `pad_weight` w and a batch is priced as n = mean + w · (longest − mean) tokens per
-  row (w = 1: fully padded, the CUDA-graph buckets; `padded=True/False` forces 1 or 0).
+  row (w = 1: fully padded, the CUDA-graph buckets; `padded=True/False` forces 1 or 0), plus what going
+  ragged costs at all (`ragged[b]`: the row groups' extra gathers and attention calls; on a 2-core CPU
+  about 6 ms at batch 16, as much as 2 more tokens per row).
 
 Optimisation is greedy: start from γ = 0 everywhere and repeatedly apply the move with the best goodput,
 among "one more draft token for request i", "one more tree candidate for request i" and "lift every
@@ -52,11 +54,14 @@ class CostProfile:
     verify: dict[int, list[float]]
     draft: dict[int, float] = field(default_factory=dict)
     pad_weight: float = 1.0
+    ragged: dict[int, float] = field(default_factory=dict)   # b -> fixed seconds of a ragged forward
 
     def __post_init__(self) -> None:
         if not self.verify or any(not row for row in self.verify.values()):
             raise ValueError("a cost profile needs at least one batch size with one measured forward")
         if any(t < 0 for row in self.verify.values() for t in row) or any(t < 0 for t in self.draft.values()):
+            raise ValueError("measured seconds must be >= 0")
+        if any(t < 0 for t in self.ragged.values()):
             raise ValueError("measured seconds must be >= 0")
         if not 0.0 <= self.pad_weight <= 1.0:
             raise ValueError(f"pad_weight must be in [0, 1], got {self.pad_weight}")
@@ -78,6 +83,8 @@ class StepCostModel:
         self.draft_batches = sorted(profile.draft)
         self.draft_table = dict(profile.draft)
         self.pad_weight = profile.pad_weight if padded is None else float(padded)
+        self.ragged_batches = sorted(profile.ragged)
+        self.ragged_table = dict(profile.ragged)
         self.beta = beta
 
     def _verify_row(self, b: int, n: float) -> float:
@@ -90,6 +97,13 @@ class StepCostModel:
             return 0.0
         per_b = [self._verify_row(bb, n) for bb in self.batches]
         return max(interpolate(self.batches, per_b, b), 0.0)
+
+    def ragged_seconds(self, rows: Sequence[int]) -> float:
+        """What a forward whose rows differ in length costs beyond its priced tokens (0 when they agree)."""
+        if not self.ragged_table or min(rows) == max(rows):
+            return 0.0
+        per = [self.ragged_table[x] for x in self.ragged_batches]
+        return max(interpolate(self.ragged_batches, per, len(rows)), 0.0) if len(per) > 1 else per[0]
 
     def draft_seconds(self, b: int, depth: int) -> float:
         """depth drafter forwards over b rows (the batched drafter runs to the deepest row)."""
@@ -116,7 +130,8 @@ class StepCostModel:
         free = free or [False] * b
         model = [(d, w) for d, w, f in zip(depths, widths, free, strict=True) if d > 0 and not f]
         drafting = sum(w for _, w in model)
-        return self.verify_seconds(b, n) + self.draft_seconds(drafting, max((d for d, _ in model), default=0))
+        verify = self.verify_seconds(b, n) + self.ragged_seconds(rows)
+        return verify + self.draft_seconds(drafting, max((d for d, _ in model), default=0))
 
     def _tokens_per_row(self, rows: Sequence[int]) -> float:
         """The uniform row length a batch of these rows costs like."""
@@ -132,7 +147,7 @@ class StepCostModel:
         predicted = self.verify_seconds(b, n)
         if predicted <= 0:
             return
-        ratio = seconds / predicted
+        ratio = max(seconds - self.ragged_seconds(rows), 0.0) / predicted
         # The nearest profiled cell (batch in log scale) absorbs the correction, scaled by how far off the
         # whole prediction was, so interpolation between cells stays consistent.
         near = min(self.batches, key=lambda x: abs(math.log(x) - math.log(b)))

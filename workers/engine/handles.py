@@ -102,14 +102,18 @@ class DrafterHandle(_Handle):
     ) -> None:
         await self._call(self.worker.start, requests, first_tokens, prompt_hidden)
 
-    async def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
+    async def propose(self, items: list[DraftItem], last_verify: tuple | None = None, draining: bool = False
+                      ) -> list[Draft]:
+        if draining:
+            return await self._call(self.worker.propose, items, last_verify=last_verify, draining=True)
         return await self._call(self.worker.propose, items, last_verify=last_verify)
 
     async def cost_profile_request(self) -> dict | None:
         return await self._call(self.worker.cost_profile_request)
 
-    async def set_cost_profile(self, verify: dict[int, list[float]], pad_weight: float = 1.0) -> None:
-        await self._call(self.worker.set_cost_profile, verify, pad_weight=pad_weight)
+    async def set_cost_profile(self, verify: dict[int, list[float]], pad_weight: float = 1.0,
+                               ragged: dict[int, float] | None = None) -> None:
+        await self._call(self.worker.set_cost_profile, verify, pad_weight=pad_weight, ragged=ragged)
 
     async def goodput_stats(self) -> dict:
         return await self._call(self.worker.goodput_stats)

@@ -1,9 +1,9 @@
 """Start-up cost profile for the goodput controller, timed on the device that serves.
 
 A short sweep: target forwards of b rows × n tokens (the shape of a verify step with n - 1 drafts per
-row) at a few batch sizes, one ragged forward per batch size (one row of max tokens, the others of one:
-how much the longest row costs beyond the mean, `pad_weight`), and drafter proposals of depth 1 and 3 at
-the same batch sizes. Cells not
+row) at a few batch sizes, two ragged forwards per batch size (one row of 2 tokens, then of max tokens,
+the others of one: what going ragged costs at all, `ragged`, and how much the longest row costs beyond
+the mean, `pad_weight`), and drafter proposals of depth 1 and 3 at the same batch sizes. Cells not
 measured are interpolated (workers/core/goodput.py extends the table linearly), so the sweep stays a few
 seconds on a CPU. The numbers only steer γ: output is exact whatever they say.
 """
@@ -41,14 +41,16 @@ def profile_verify(
     prompt_len: int = 64,
     repeats: int = 2,
 ) -> dict:
-    """{"verify": {b: [seconds of a forward over b rows of n tokens, n = 1..max_tokens]}, "pad_weight": w}
-    on the runner's device; w in [0, 1] prices a ragged batch as n = mean + w · (longest − mean) rows'
-    tokens (1: every row is padded to the longest; 0: only real tokens cost).
+    """{"verify": {b: [seconds of a forward over b rows of n tokens, n = 1..max_tokens]}, "pad_weight": w,
+    "ragged": {b: seconds}} on the runner's device; a ragged batch costs ragged[b] plus the uniform one of
+    n = mean + w · (longest − mean) tokens per row (w = 1: every row padded to the longest; 0: only real
+    tokens cost).
 
     Uses free KV slots of the runner and frees them again; batch sizes above the free slots are skipped.
     """
     table: dict[int, list[float]] = {}
     weights: list[float] = []
+    ragged_fixed: dict[int, float] = {}
     measured_n = sorted({n for n in PROFILE_TOKENS if n < max_tokens} | {max_tokens})
     # a short context (max_seq_len) gets a shorter profile prompt rather than a full cache
     prompt_len = max(1, min(prompt_len, runner.max_seq_len - max_tokens))
@@ -61,14 +63,18 @@ def profile_verify(
             seconds = [_timed_extend(runner, slots, [n] * b, repeats) for n in measured_n]
             table[b] = [interpolate(measured_n, seconds, n) for n in range(1, max_tokens + 1)]
             if b > 1 and max_tokens > 1:
-                ragged = _timed_extend(runner, slots, [max_tokens] + [1] * (b - 1), repeats)
+                small = _timed_extend(runner, slots, [2] + [1] * (b - 1), repeats)
+                uniform = interpolate(list(range(1, max_tokens + 1)), table[b], 1 + 1 / b)
+                ragged_fixed[b] = max(small - uniform, 0.0)
+                ragged = _timed_extend(runner, slots, [max_tokens] + [1] * (b - 1), repeats) - ragged_fixed[b]
                 weights.append(_pad_weight(table[b], ragged, b, max_tokens))
         finally:
             for s in slots:
                 runner.free(s)
     if not table:
         raise ValueError(f"no batch size of {list(batch_sizes)} fits the runner's free slots")
-    return {"verify": table, "pad_weight": statistics.median(weights) if weights else 1.0}
+    pad_weight = statistics.median(weights) if weights else 1.0
+    return {"verify": table, "pad_weight": pad_weight, "ragged": ragged_fixed}
 
 
 def _pad_weight(row: list[float], ragged_seconds: float, b: int, longest: int) -> float:

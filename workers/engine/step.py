@@ -96,7 +96,8 @@ class SpecStep:
         request = await self.drafter.cost_profile_request()
         if request is not None:
             profile = await self.target.profile_verify(**request)
-            await self.drafter.set_cost_profile(profile["verify"], pad_weight=profile["pad_weight"])
+            await self.drafter.set_cost_profile(profile["verify"], pad_weight=profile["pad_weight"],
+                                                ragged=profile["ragged"])
 
     def _speculates(self, seq: Sequence) -> bool:
         return (self.drafter is not None and seq.request.spec.enabled
@@ -154,8 +155,9 @@ class SpecStep:
                 self._drafter_failed(exc, [seqs[i].request_id for i in drafting])
         return new_tokens
 
-    async def step(self, seqs: list[Sequence]) -> list[StepOutcome]:
-        """One draft + verify round for every unfinished request of `seqs`."""
+    async def step(self, seqs: list[Sequence], draining: bool = False) -> list[StepOutcome]:
+        """One draft + verify round for every unfinished request of `seqs`; draining: no request waits
+        for a slot (see DraftWorker.propose)."""
         live = [s for s in seqs if not s.finished]
         if not live:
             return []
@@ -171,7 +173,7 @@ class SpecStep:
         if drafting:
             items = [s.next_draft_item() for s in drafting]
             try:
-                proposed = await self.drafter.propose(items, last_verify=self._last_verify)
+                proposed = await self.drafter.propose(items, last_verify=self._last_verify, draining=draining)
             except Exception as exc:
                 self._drafter_failed(exc, [s.request_id for s in drafting])
                 drafting = []

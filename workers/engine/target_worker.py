@@ -155,7 +155,7 @@ class TargetWorker:
 
     def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict:
         """Timed verify-shaped forwards for the goodput controller's cost model (see engine/profile.py):
-        {"verify": {b: seconds per n}, "pad_weight": w}."""
+        {"verify": {b: seconds per n}, "pad_weight": w, "ragged": {b: seconds}}."""
         t0 = time.perf_counter()
         table = profile_verify(self.runner, batch_sizes=batch_sizes, max_tokens=max_tokens)
         self._busy += time.perf_counter() - t0

@@ -108,10 +108,11 @@ class BatchPlan:
     runs: list[tuple[int, int, int]]
     n: int = 1  # new tokens per row, padding included
     # Ragged rows: flat indices [T] of the real tokens in the [b * n] grid, None when no row is padded.
-    # Matmuls (q/k/v, output, MLP, head) run on the T real tokens only; attention, which needs each row's
-    # tokens side by side, runs on the padded grid. A verify where one row drafts 7 tokens and fifteen
-    # draft none then costs 22 tokens of matmuls, not 128.
+    # Every matmul (q/k/v, output, MLP, head) then runs on the T real tokens only, and attention runs
+    # per group of rows (`groups`): the one-token rows side by side, the longer ones padded among
+    # themselves. A verify at batch 16 where one row drafts 7 tokens costs 22 tokens, not 128.
     real: torch.Tensor | None = None
+    groups: list[RowGroup] | None = None
 
     @classmethod
     def make(cls, slots: list[int], starts: list[int], n: int, counts: list[int] | None = None,
@@ -121,10 +122,24 @@ class BatchPlan:
             if i == len(slots) or slots[i] != slots[i - 1] + 1:
                 runs.append((first, i, max(starts[first:i]) + n))
                 first = i
-        real = None
-        if counts is not None and sum(counts) < len(slots) * n:
-            real = torch.tensor([i * n + j for i, c in enumerate(counts) for j in range(c)], device=device)
-        return cls(slots, starts, runs, n, real)
+        if counts is None or sum(counts) == len(slots) * n:
+            return cls(slots, starts, runs, n)
+        real = torch.tensor([i * n + j for i, c in enumerate(counts) for j in range(c)], device=device)
+        single = [i for i, c in enumerate(counts) if c == 1]
+        longer = [i for i, c in enumerate(counts) if c > 1]
+        parts = [single, longer] if single and longer else [list(range(len(slots)))]
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        groups = [RowGroup.make(rows, slots, starts, counts, offsets, device) for rows in parts]
+        return cls(slots, starts, runs, n, real, groups)
+
+    def split(self, rope: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Give each row group its rows of the forward's rope [b, n, 1, d/2] and mask [b, 1, n, L]."""
+        for group in self.groups or ():
+            n = group.plan.n
+            group.rope = rope[group.index, :n]
+            group.mask = None if mask is None else mask[group.index, :, :n]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[b, n, ...] -> [T, ...] (the real tokens), or x itself when no row is padded."""
@@ -136,6 +151,40 @@ class BatchPlan:
             return x
         out = x.new_zeros(len(self.slots) * self.n, *x.shape[1:])
         return out.index_copy_(0, self.real, x).unflatten(0, (len(self.slots), self.n))
+
+
+@dataclass
+class RowGroup:
+    """Rows of a ragged batch that attend together, padded to their own longest row (plan.n)."""
+
+    index: torch.Tensor          # [g] the rows, as batch indices
+    plan: BatchPlan              # the group's own (dense) plan: its slots, starts, runs and n
+    src: torch.Tensor            # [T_g] where the group's real tokens are in the packed [T] order
+    dest: torch.Tensor | None    # [T_g] where they go in the group's [g * n] grid; None: nowhere padded
+    rope: torch.Tensor | None = None   # the group's rows of the forward's RoPE and mask (BatchPlan.split):
+    mask: torch.Tensor | None = None   # the same for every layer, so sliced once
+
+    @classmethod
+    def make(cls, rows, slots, starts, counts, offsets, device) -> RowGroup:
+        n = max(counts[i] for i in rows)
+        src = [offsets[i] + j for i in rows for j in range(counts[i])]
+        dest = [k * n + j for k, i in enumerate(rows) for j in range(counts[i])]
+        plan = BatchPlan.make([slots[i] for i in rows], [starts[i] for i in rows], n)
+        return cls(torch.tensor(rows, device=device), plan, torch.tensor(src, device=device),
+                   None if len(dest) == len(rows) * n else torch.tensor(dest, device=device))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed [T, f] -> the group's grid [g, n, f], zeros at its padding."""
+        part = x.index_select(0, self.src)
+        if self.dest is not None:
+            grid = part.new_zeros(len(self.plan.slots) * self.plan.n, part.shape[-1])
+            part = grid.index_copy_(0, self.dest, part)
+        return part.view(len(self.plan.slots), self.plan.n, -1)
+
+    def real_of(self, grid: torch.Tensor) -> torch.Tensor:
+        """The group's grid [g, n, f] -> its real tokens [T_g, f], in `src` order."""
+        flat = grid.reshape(-1, grid.shape[-1])
+        return flat if self.dest is None else flat.index_select(0, self.dest)
 
 
 class Attention(nn.Module):
@@ -155,7 +204,19 @@ class Attention(nn.Module):
         layer: int,
         plan: BatchPlan,
     ) -> torch.Tensor:  # like x
-        q, k, v = self.rotate(plan.unpack(self.wqkv(x)), rope)
+        fused = self.wqkv(x)  # [b, n, q + 2 kv] or [T, q + 2 kv]
+        if plan.groups is None:
+            return self.wo(self._attend(fused, rope, mask, cache, layer, plan))
+        out = fused.new_empty(fused.shape[0], self.q_size)  # [T, q]: the groups cover every real token
+        for group in plan.groups:
+            rows = group.gather(fused)  # [g, n, q + 2 kv]
+            attended = self._attend(rows, group.rope, group.mask, cache, layer, group.plan)
+            out.index_copy_(0, group.src, group.real_of(attended))
+        return self.wo(out)
+
+    def _attend(self, fused, rope, mask, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
+        """fused [b, n, q + 2 kv] (dense rows of `plan`) -> attention output [b, n, q]; K/V into the cache."""
+        q, k, v = self.rotate(fused, rope)
         cache.write_runs(layer, plan.slots, plan.starts, k, v)
         outs = []
         for first, end, kv_len in plan.runs:
@@ -165,7 +226,7 @@ class Attention(nn.Module):
             outs.append(F.scaled_dot_product_attention(run_q, keys, values, run_mask, enable_gqa=True))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [b, heads, n, d]
         b, _, n, _ = out.shape
-        return self.wo(plan.pack(out.transpose(1, 2).reshape(b, n, self.q_size)))
+        return out.transpose(1, 2).reshape(b, n, self.q_size)
 
     def qkv(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [b, n, hidden] -> rotated q [b, heads, n, d], rotated k and v [b, kv_heads, n, d]."""

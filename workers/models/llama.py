@@ -141,6 +141,7 @@ class Llama(nn.Module):
         mask = self._attention_mask(starts, n, max(starts) + n, attn_mask, input_ids.device)
 
         rope = self.rope[positions.to(self.rope.device)].unsqueeze(2)  # [b, n, 1, d/2] complex
+        plan.split(rope, mask)
         x = plan.pack(self.embed(input_ids, features, staleness))  # [b, n, hidden] or [T, hidden]
         for layer, block in enumerate(self.layers):
             x = block(x, rope, mask, cache, layer, plan)

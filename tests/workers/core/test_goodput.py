@@ -154,3 +154,15 @@ def test_free_drafts_pay_where_model_drafts_cannot() -> None:
                                               for b in BATCHES}))
     per_position = Slot(Acceptance([0.9, 0.9, 0.1], 3), max_depth=3, free=True)
     assert GoodputController(steep).plan([per_position]).depths == [2]
+
+
+def test_a_ragged_batch_pays_the_fixed_cost_of_going_ragged() -> None:
+    verify = {4: [0.01 + 0.001 * n for n in range(N_MAX)]}
+    model = StepCostModel(CostProfile(verify=verify, pad_weight=0.0, ragged={4: 0.005}))
+    assert model.step_seconds([2, 2, 2, 2], [1, 1, 1, 1]) == pytest.approx(0.011)             # uniform: none
+    assert model.step_seconds([2, 1, 1, 1], [1, 0, 0, 0]) == pytest.approx(0.01025 + 0.005)   # mean 1.25
+    # one lone draft token at batch 4: nearly free as priced tokens, not once going ragged is charged
+    lone = [Slot(Acceptance([0.3], 8), max_depth=1)] + [Slot(Acceptance([0.0], 8), max_depth=0)] * 3
+    free_ragged = StepCostModel(CostProfile(verify=verify, pad_weight=0.0))
+    assert GoodputController(free_ragged).plan(lone).depths[0] == 1
+    assert GoodputController(model).plan(lone).depths == [0, 0, 0, 0]
