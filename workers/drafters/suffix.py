@@ -9,7 +9,9 @@ Two kinds of suffix index (workers/drafters/suffix_index.py):
   each propose indexes at most `index_tokens_per_step` queued tokens first (flush() does the rest).
   Memory is bounded by `max_nodes` trie nodes: past the cap the least recently indexed requests are
   removed (exactly: their counts are subtracted).
-- one per running request over its own prompt and output, growing at every commit.
+- one per running request over its own prompt and output, growing at every commit: a ContextIndex, which
+  drafts what a SuffixIndex over the sequence would but only records positions as tokens come (an
+  O(len × max_depth) index per request was most of what this drafter cost a batch that drafted nothing).
 
 Each step, per request: both indexes draft the most frequent continuation of their longest match (a chain,
 or a tree of the most frequent branches for propose_tree), and the one with the higher score (expected
@@ -27,13 +29,13 @@ verification stays exact for greedy and sampled requests. Request ids starting w
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from workers.drafters.base import SCRATCH_PREFIX, Drafter, DraftHint, DraftProposal, DraftTree, check_batch
 from workers.drafters.registry import register_drafter
-from workers.drafters.suffix_index import SuffixDraft, SuffixIndex
+from workers.drafters.suffix_index import ContextIndex, SuffixDraft, SuffixIndex
 
 SOURCES = ("local", "global", "model")
 # Match lengths whose suffix drafts are accepted alike: a longer match predicts its continuation better.
@@ -68,8 +70,7 @@ class PositionAcceptance:
 @dataclass
 class _Request:
     tokens: list[int]
-    index: SuffixIndex
-    active: list = field(default_factory=list)   # the local index's walk state (SuffixIndex.extend)
+    index: ContextIndex
     source: str | None = None                     # who drafted the last step
     last_drafted: int = 0                         # and how many tokens
     last_match: int = 0                           # the suffix match it drafted from
@@ -172,9 +173,9 @@ class SuffixDrafter(Drafter):
             extra = {"hidden": hidden} if self.uses_target_hidden else {}
             self.model.add_request(request_id, prompt_tokens, seed=seed, **extra)
         tokens = [int(t) for t in prompt_tokens]
-        index = SuffixIndex(self.max_depth)
-        active = index.extend(tokens)
-        self.requests[request_id] = _Request(tokens, index, active, model_alpha=self.model_prior)
+        index = ContextIndex(self.max_depth)
+        index.extend(tokens)
+        self.requests[request_id] = _Request(tokens, index, model_alpha=self.model_prior)
 
     def commit(self, request_id, num_accepted, new_tokens, hidden=None) -> None:
         req = self.requests[request_id]
@@ -196,7 +197,7 @@ class SuffixDrafter(Drafter):
             req.source = None
         new = [int(t) for t in new_tokens]
         req.tokens += new
-        req.active = req.index.extend(new, req.active)
+        req.index.extend(new)
 
     def remove_request(self, request_id: str) -> None:
         if self.model is not None:

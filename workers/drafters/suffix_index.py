@@ -193,32 +193,102 @@ class SuffixIndex:
         """The most probable continuation tree of the longest match: ≤ depth levels, ≤ width children per
         node, ≤ max_nodes nodes (default depth × width), each node's path probability ≥ min_prob."""
         node, matched = self.match(context, max_match, min_match)
-        out = SuffixDraft(match=matched)
-        if node is None or depth <= 0:
-            return out
-        budget = depth * width if max_nodes is None else max_nodes
-        # The continuation must fit under max_depth with the match above it.
-        depth = min(depth, self.max_depth - matched)
-        order = 0  # tie-break: earlier pushes first, so drafts are deterministic
-        heap: list = []
-        for tok, child, p in self._ranked(node, width, 1.0):
-            heapq.heappush(heap, (-p, order := order + 1, tok, child, 0, 1))
-        while heap and len(out.tokens) < budget:
-            neg_p, _, tok, child, parent, level = heapq.heappop(heap)
-            if -neg_p < min_prob:
-                break
-            out.tokens.append(tok)
-            out.parents.append(parent)
-            out.probs.append(-neg_p)
-            out.score += -neg_p
-            if level < depth:
-                here = len(out.tokens)
-                for t, c, p in self._ranked(child, width, -neg_p):
-                    heapq.heappush(heap, (-p, order := order + 1, t, c, here, level + 1))
-        return out
+        return _grow(node, matched, depth, self.max_depth, width, max_nodes, min_prob)
 
-    @staticmethod
-    def _ranked(node: _Node, width: int, path_p: float) -> list[tuple[int, _Node, float]]:
-        kids = node.children()
-        total = sum(c.count for _, c in kids)
-        return [(t, c, path_p * c.count / total) for t, c in kids[:width]] if total else []
+
+
+def _grow(node: _Node | None, matched: int, depth: int, max_depth: int, width: int, max_nodes: int | None,
+          min_prob: float) -> SuffixDraft:
+    """Grow the draft below the match node best-first (see SuffixIndex.draft)."""
+    out = SuffixDraft(match=matched)
+    if node is None or depth <= 0:
+        return out
+    budget = depth * width if max_nodes is None else max_nodes
+    # The continuation must fit under max_depth with the match above it.
+    depth = min(depth, max_depth - matched)
+    order = 0  # tie-break: earlier pushes first, so drafts are deterministic
+    heap: list = []
+    for tok, child, p in _ranked(node, width, 1.0):
+        heapq.heappush(heap, (-p, order := order + 1, tok, child, 0, 1))
+    while heap and len(out.tokens) < budget:
+        neg_p, _, tok, child, parent, level = heapq.heappop(heap)
+        if -neg_p < min_prob:
+            break
+        out.tokens.append(tok)
+        out.parents.append(parent)
+        out.probs.append(-neg_p)
+        out.score += -neg_p
+        if level < depth:
+            here = len(out.tokens)
+            for t, c, p in _ranked(child, width, -neg_p):
+                heapq.heappush(heap, (-p, order := order + 1, t, c, here, level + 1))
+    return out
+
+
+def _ranked(node: _Node, width: int, path_p: float) -> list[tuple[int, _Node, float]]:
+    kids = node.children()
+    total = sum(c.count for _, c in kids)
+    return [(t, c, path_p * c.count / total) for t, c in kids[:width]] if total else []
+
+
+class ContextIndex:
+    """What a SuffixIndex over one growing sequence (a request's own prompt and output) drafts, built
+    lazily. Appending a token only records its position; a draft finds the longest suffix of the context
+    that occurred earlier with a continuation (through the positions of its last token), and counts the
+    continuations of those occurrences into a small trie, which is exactly the SuffixIndex's subtree
+    below that match. A SuffixIndex pays max_depth node updates per token instead (about 18 new nodes:
+    most substrings of a sequence are unique), 1.5% of a batch-16 run on a CPU that drafted nothing."""
+
+    def __init__(self, max_depth: int = 24) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.tokens: list[int] = []
+        self.where: dict[int, list[int]] = {}   # token -> its positions in self.tokens
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.where.setdefault(token, []).append(len(self.tokens))
+            self.tokens.append(token)
+
+    def match(self, context: list[int], max_match: int, min_match: int = 1) -> tuple[list[int], int]:
+        """Ends of the earlier occurrences of the longest suffix of context (min_match..max_match tokens)
+        that is followed by a token, and its length; ([], 0) when there is none."""
+        seq, n = self.tokens, len(self.tokens)
+        longest = min(max_match, len(context), self.max_depth - 1)
+        if longest < 1:
+            return [], 0
+        best, ends = 0, []
+        for end in self.where.get(context[-1], ()):
+            if end + 1 >= n:
+                continue  # nothing follows this occurrence
+            m = 1
+            while m < longest and end - m >= 0 and seq[end - m] == context[-1 - m]:
+                m += 1
+            if m > best:
+                best, ends = m, [end]
+            elif m == best:
+                ends.append(end)
+        return (ends, best) if best >= min_match else ([], 0)
+
+    def draft(
+        self,
+        context: list[int],
+        depth: int,
+        width: int = 1,
+        max_nodes: int | None = None,
+        max_match: int = 12,
+        min_match: int = 1,
+        min_prob: float = 0.1,
+    ) -> SuffixDraft:
+        """SuffixIndex.draft over this sequence (the same draft, token for token)."""
+        ends, matched = self.match(context, max_match, min_match)
+        if not ends or depth <= 0:
+            return SuffixDraft(match=matched)
+        root, span = _Node(), min(depth, self.max_depth - matched)
+        for end in ends:
+            node = root
+            for token in self.tokens[end + 1 : end + 1 + span]:
+                node = node.child(token) or node.add_child(token)
+                node.count += 1
+        return _grow(root, matched, depth, self.max_depth, width, max_nodes, min_prob)

@@ -8,7 +8,7 @@ from workers.core.sampling import SamplingParams
 from workers.drafters.base import SCRATCH_PREFIX
 from workers.drafters.registry import build_drafter
 from workers.drafters.suffix import SuffixDrafter
-from workers.drafters.suffix_index import SuffixIndex
+from workers.drafters.suffix_index import ContextIndex, SuffixIndex
 from workers.drafters.suffix_index import _Node as Node
 
 GREEDY = SamplingParams()
@@ -46,6 +46,28 @@ def test_counts_are_substring_occurrences_and_remove_is_exact() -> None:
     for s in seqs[1:]:
         index.remove(s)
     assert index.num_nodes == 0 and index.root.kids is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_context_index_drafts_what_a_suffix_index_of_the_sequence_drafts(seed) -> None:
+    """The lazy per-request index is the SuffixIndex over the same tokens, draft for draft, as the sequence
+    grows, over match lengths, depths, widths and node budgets (a small vocabulary: many repeats)."""
+    rng = random.Random(seed)
+    seq = [rng.randrange(4 if seed % 2 else 9) for _ in range(160)]
+    lazy, full, state = ContextIndex(max_depth=10), SuffixIndex(max_depth=10), None
+    cut = 0
+    while cut < len(seq):
+        step = seq[cut:cut + rng.randint(1, 7)]
+        lazy.extend(step)
+        state = full.extend(step, state)
+        cut += len(step)
+        context = seq[:cut]
+        for depth, width, max_nodes, max_match, min_match in (
+            (4, 1, None, 12, 1), (8, 1, None, 3, 2), (5, 3, 9, 12, 1), (3, 2, None, 6, 3), (0, 1, None, 12, 1)
+        ):
+            kw = dict(width=width, max_nodes=max_nodes, max_match=max_match, min_match=min_match,
+                      min_prob=0.05)
+            assert lazy.draft(context, depth, **kw) == full.draft(context, depth, **kw)
 
 
 def test_drafts_the_most_frequent_continuation() -> None:
