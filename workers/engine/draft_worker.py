@@ -206,11 +206,8 @@ class DraftWorker:
             self.drafter.weights_drafter.load_tensors(tensors, version)
             self._swapper.applied(version)
 
-    def propose(self, items: list[DraftItem], last_verify: tuple | None = None, draining: bool = False
-                ) -> list[Draft]:
-        """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify).
-        draining: no request waits for a slot (an offline batch past its last admission), so the batch
-        ends with its furthest-behind requests: the goodput plan counts only their tokens."""
+    def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
+        """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify)."""
         t0 = time.perf_counter()
         self._apply_pending_swap()
         if last_verify is not None:
@@ -229,7 +226,7 @@ class DraftWorker:
                                                                          item.commit_accepted)
                 r.generated += len(item.commit_new_tokens)
             planned.append((item, r, r.request.max_new_tokens - r.generated))
-        self._plan_goodput(planned, draining)
+        self._plan_goodput(planned)
         chains: dict[str, list[tuple[DraftItem, _DraftRequest, int]]] = {}
         trees: dict[str, list[tuple[DraftItem, _DraftRequest, int, int]]] = {}
         for item, r, remaining in planned:
@@ -265,25 +262,16 @@ class DraftWorker:
         context = len(r.request.prompt_token_ids) + r.generated
         return max(remaining, self.max_seq_len - context)
 
-    def _plan_goodput(self, planned: list[tuple[DraftItem, _DraftRequest, int]], draining: bool = False
-                      ) -> None:
-        """One goodput plan for the requests on that policy; the others enter it at their γ cap.
-
-        Draining, a token of a request that is ahead shortens nothing (the batch ends when the last one
-        does, and its drafts still lengthen the verify): only the requests with the most tokens left may
-        draft. Measured on GSM8K at batch 16, T = 0.7 without it: requests sped up unevenly left tails of
-        14 steps at batch 1-7 that cost more than the drafts had saved (0.94x target-only)."""
+    def _plan_goodput(self, planned: list[tuple[DraftItem, _DraftRequest, int]]) -> None:
+        """One goodput plan for the requests on that policy; the others enter it at their γ cap."""
         if not any(isinstance(r.policy, GoodputGamma) for _, r, _ in planned):
             self.last_plan = None
             return
         hints = self._hints(planned)
-        behind = max(remaining for _, _, remaining in planned)
         slots, states = [], []
         for item, r, remaining in planned:
             if isinstance(r.policy, GoodputGamma):
                 slot = r.policy.slot(r.state, remaining, cap=item.gamma)
-                if draining and remaining < behind:
-                    slot.max_depth = slot.min_depth = 0
                 hint = hints.get(item.request_id)
                 if hint is not None:
                     # this step's draft is known: plan it from its own predicted acceptance and cost

@@ -102,10 +102,7 @@ class DrafterHandle(_Handle):
     ) -> None:
         await self._call(self.worker.start, requests, first_tokens, prompt_hidden)
 
-    async def propose(self, items: list[DraftItem], last_verify: tuple | None = None, draining: bool = False
-                      ) -> list[Draft]:
-        if draining:
-            return await self._call(self.worker.propose, items, last_verify=last_verify, draining=True)
+    async def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
         return await self._call(self.worker.propose, items, last_verify=last_verify)
 
     async def cost_profile_request(self) -> dict | None:

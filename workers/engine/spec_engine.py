@@ -58,8 +58,7 @@ class SpecEngine:
                     running[seq.request_id] = seq
                     if on_step:
                         on_step(seq, toks)
-            # Past the last admission the batch drains: its makespan, not each step's goodput, counts.
-            for out in run_sync(self.step.step(list(running.values()), draining=not waiting)):
+            for out in run_sync(self.step.step(list(running.values()))):
                 if on_step:
                     on_step(out.seq, out.new_tokens)
             finished = [rid for rid, s in running.items() if s.finished]

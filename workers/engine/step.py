@@ -155,9 +155,8 @@ class SpecStep:
                 self._drafter_failed(exc, [seqs[i].request_id for i in drafting])
         return new_tokens
 
-    async def step(self, seqs: list[Sequence], draining: bool = False) -> list[StepOutcome]:
-        """One draft + verify round for every unfinished request of `seqs`; draining: no request waits
-        for a slot (see DraftWorker.propose)."""
+    async def step(self, seqs: list[Sequence]) -> list[StepOutcome]:
+        """One draft + verify round for every unfinished request of `seqs`."""
         live = [s for s in seqs if not s.finished]
         if not live:
             return []
@@ -173,7 +172,7 @@ class SpecStep:
         if drafting:
             items = [s.next_draft_item() for s in drafting]
             try:
-                proposed = await self.drafter.propose(items, last_verify=self._last_verify, draining=draining)
+                proposed = await self.drafter.propose(items, last_verify=self._last_verify)
             except Exception as exc:
                 self._drafter_failed(exc, [s.request_id for s in drafting])
                 drafting = []

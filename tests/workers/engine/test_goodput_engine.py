@@ -75,20 +75,3 @@ def test_sampled_requests_finish_and_free_slots(cfg, target):
     assert [len(o) for o in outs] == [32] * len(PROMPTS)
     assert target.free_slots() == cfg.target.max_slots
 
-
-def test_a_draining_batch_drafts_only_for_the_requests_furthest_behind(cfg, target):
-    """Once no request waits for a slot, the batch ends with its last request: a request that is ahead
-    gets no draft (its tokens would shorten nothing), the one furthest behind still does."""
-    from workers.engine.types import DraftItem
-
-    cfg.drafter.kind = "ngram"
-    drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
-    loop = [3, 4, 5, 6] * 4
-    spec = SpecParams(gamma=4, policy="goodput")
-    reqs = [NewRequest("behind", loop, GREEDY, 40, spec), NewRequest("ahead", loop, GREEDY, 10, spec)]
-    drafter.start(reqs, [[3], [3]])
-    items = [DraftItem(r.request_id, 4) for r in reqs]
-    assert all(d.tokens for d in drafter.propose(items))
-    behind, ahead = drafter.propose(items, draining=True)
-    assert behind.tokens and not ahead.tokens
-    drafter.release([r.request_id for r in reqs])

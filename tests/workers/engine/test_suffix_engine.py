@@ -106,8 +106,7 @@ def _sampled_pvalue(exact_workers, tree_width: int, samples: int, policy: str = 
     spec = SpecParams(gamma=3, tree_width=tree_width, policy=policy)
     reqs = [NewRequest(f"x{i}", PROMPT, sampling, DEPTH + 1, spec) for i in range(samples)]
     seqs = SpecEngine(target, drafter).generate(reqs, ignore_eos=True)
-    # (the last wave drains: only its requests furthest behind draft, see DraftWorker._plan_goodput)
-    assert sum(s.stats.drafted for s in seqs) > samples // 4, "the suffix drafter must have drafted"
+    assert sum(s.stats.drafted for s in seqs) > samples // 2, "the suffix drafter must have drafted"
     counts = Counter(tuple(s.output[:DEPTH]) for s in seqs)
     return chi_square_pvalue(counts, exact_joint(target, sampling))
 
