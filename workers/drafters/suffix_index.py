@@ -83,7 +83,31 @@ class SuffixDraft:
                            self.probs[:depth])
 
 
-class SuffixIndex:
+class _Drafting:
+    """draft() of both indexes: the tree below the node of the longest match, grown best-first."""
+
+    max_depth: int
+
+    def _below_match(self, context: list[int], depth: int, max_match: int, min_match: int):
+        raise NotImplementedError
+
+    def draft(
+        self,
+        context: list[int],
+        depth: int,
+        width: int = 1,
+        max_nodes: int | None = None,
+        max_match: int = 12,
+        min_match: int = 1,
+        min_prob: float = 0.1,
+    ) -> SuffixDraft:
+        """The most probable continuation tree of the longest match: ≤ depth levels, ≤ width children per
+        node, ≤ max_nodes nodes (default depth × width), each node's path probability ≥ min_prob."""
+        node, matched = self._below_match(context, depth, max_match, min_match)
+        return _grow(node, matched, depth, self.max_depth, width, max_nodes, min_prob)
+
+
+class SuffixIndex(_Drafting):
     def __init__(self, max_depth: int = 24) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
@@ -180,22 +204,8 @@ class SuffixIndex:
                 return found[k - 1], k
         return None, 0
 
-    def draft(
-        self,
-        context: list[int],
-        depth: int,
-        width: int = 1,
-        max_nodes: int | None = None,
-        max_match: int = 12,
-        min_match: int = 1,
-        min_prob: float = 0.1,
-    ) -> SuffixDraft:
-        """The most probable continuation tree of the longest match: ≤ depth levels, ≤ width children per
-        node, ≤ max_nodes nodes (default depth × width), each node's path probability ≥ min_prob."""
-        node, matched = self.match(context, max_match, min_match)
-        return _grow(node, matched, depth, self.max_depth, width, max_nodes, min_prob)
-
-
+    def _below_match(self, context: list[int], depth: int, max_match: int, min_match: int):
+        return self.match(context, max_match, min_match)
 
 def _grow(node: _Node | None, matched: int, depth: int, max_depth: int, width: int, max_nodes: int | None,
           min_prob: float) -> SuffixDraft:
@@ -231,7 +241,7 @@ def _ranked(node: _Node, width: int, path_p: float) -> list[tuple[int, _Node, fl
     return [(t, c, path_p * c.count / total) for t, c in kids[:width]] if total else []
 
 
-class ContextIndex:
+class ContextIndex(_Drafting):
     """What a SuffixIndex over one growing sequence (a request's own prompt and output) drafts, built
     lazily. Appending a token only records its position; a draft finds the longest suffix of the context
     that occurred earlier with a continuation (through the positions of its last token), and counts the
@@ -271,24 +281,16 @@ class ContextIndex:
                 ends.append(end)
         return (ends, best) if best >= min_match else ([], 0)
 
-    def draft(
-        self,
-        context: list[int],
-        depth: int,
-        width: int = 1,
-        max_nodes: int | None = None,
-        max_match: int = 12,
-        min_match: int = 1,
-        min_prob: float = 0.1,
-    ) -> SuffixDraft:
-        """SuffixIndex.draft over this sequence (the same draft, token for token)."""
+    def _below_match(self, context: list[int], depth: int, max_match: int, min_match: int):
+        """The SuffixIndex's subtree below the match, as deep as this draft can use: counted from the
+        continuations of the match's occurrences."""
         ends, matched = self.match(context, max_match, min_match)
         if not ends or depth <= 0:
-            return SuffixDraft(match=matched)
+            return None, matched
         root, span = _Node(), min(depth, self.max_depth - matched)
         for end in ends:
             node = root
             for token in self.tokens[end + 1 : end + 1 + span]:
                 node = node.child(token) or node.add_child(token)
                 node.count += 1
-        return _grow(root, matched, depth, self.max_depth, width, max_nodes, min_prob)
+        return root, matched
