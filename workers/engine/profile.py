@@ -80,10 +80,15 @@ def profile_verify(
 def _pad_weight(row: list[float], ragged_seconds: float, b: int, longest: int) -> float:
     """w such that the uniform row at n = mean + w · (longest − mean) takes ragged_seconds."""
     mean = (longest + b - 1) / b
-    # the uniform row's n that costs ragged_seconds (the row rises with n, up to timing noise)
-    seconds = sorted(row)
-    n_equal = interpolate(seconds, list(range(1, len(row) + 1)), ragged_seconds) if seconds[-1] > seconds[0] \
-        else longest
+    # the uniform row's n that costs ragged_seconds, on the row's running maximum (timing noise can make
+    # a longer row measure faster)
+    rising = [max(row[: k + 1]) for k in range(len(row))]
+    n_equal = float(len(row))
+    for k in range(1, len(rising)):
+        if rising[k] >= ragged_seconds:
+            low, high = rising[k - 1], rising[k]
+            n_equal = k + (min(max((ragged_seconds - low) / (high - low), 0.0), 1.0) if high > low else 1.0)
+            break
     return min(max((n_equal - mean) / (longest - mean), 0.0), 1.0)
 
 

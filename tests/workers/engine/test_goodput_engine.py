@@ -75,3 +75,14 @@ def test_sampled_requests_finish_and_free_slots(cfg, target):
     assert [len(o) for o in outs] == [32] * len(PROMPTS)
     assert target.free_slots() == cfg.target.max_slots
 
+
+
+def test_pad_weight_from_a_ragged_forward() -> None:
+    from workers.engine.profile import _pad_weight
+
+    row = [0.01 * n for n in range(1, 10)]                          # uniform rows: 10 ms per token per row
+    assert _pad_weight(row, row[-1], 4, 9) == pytest.approx(1.0)     # costs the longest row's: padded
+    assert _pad_weight(row, 0.01 * 3, 4, 9) == pytest.approx(0.0)    # costs the mean's (3 tokens): ragged
+    assert _pad_weight(row, 0.01 * 6, 4, 9) == pytest.approx(0.5)
+    noisy = [0.05, 0.04, 0.05, 0.05, 0.05, 0.06, 0.05, 0.07, 0.07]  # timing noise, repeated values
+    assert 0.0 <= _pad_weight(noisy, 0.055, 4, 9) <= 1.0
