@@ -17,7 +17,7 @@ requests verified together in one target forward, we pick (γ_i, w_i) to maximis
   the profile measures `pad_weight` w and a batch is priced as n = mean + w · (longest − mean) tokens per
   row (w = 1: fully padded, the CUDA-graph buckets; `padded=True/False` forces 1 or 0), plus what going
   ragged costs at all (`ragged[b]`: the row groups' extra gathers and attention calls; on a 2-core CPU
-  about 6 ms at batch 16, as much as 2 more tokens per row).
+  3-6 ms at batch 16, up to as much as 2 more tokens per row).
 
 Optimisation is greedy: start from γ = 0 everywhere and repeatedly apply the move with the best goodput,
 among "one more draft token for request i", "one more tree candidate for request i" and "lift every
