@@ -142,11 +142,14 @@ def swap_events(rows: list[dict | None]) -> list[dict]:
 
 def heldout_acceptance(
     overrides: list[str], store: Path | None, per_domain: int, max_new_tokens: int,
-    after: dict[str, str] | None = None,
+    after: dict[str, str] | None = None, gamma: int = 3,
 ) -> dict[str, dict[str, Any]]:
     """{domain: {"before", "after", "after_version", "final"}}: α on eval prompts, in process, with the
     starting drafter (`before`), with `after[domain]` (the version serving when that domain's stream
-    ended) and with the version CURRENT names in `store` at the end (`final`). No store: before only."""
+    ended) and with the version CURRENT names in `store` at the end (`final`). No store: before only.
+
+    Drafts are chains of a fixed `gamma`, whatever the serving policy: α = accepted / drafted falls with
+    γ (every position after a rejection counts as drafted), so only a fixed γ compares drafters."""
     from dataclasses import replace
 
     from configs import load_config
@@ -160,7 +163,7 @@ def heldout_acceptance(
     engine = build_engine(cfg, max_running=4)
     target, drafter = engine.target, engine.drafter
     tokenizer = load_tokenizer(target.model_dir)
-    spec = replace(SpecParams.from_config(cfg.spec, enabled=True), policy="fixed", tree_width=1)
+    spec = replace(SpecParams.from_config(cfg.spec, enabled=True), policy="fixed", tree_width=1, gamma=gamma)
     prompts = {
         d: [encode_prompt(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in DOMAINS
     }
@@ -320,6 +323,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.heldout,
         args.max_new_tokens,
         serving_at_domain_end(runs["on"]["requests"]) if "on" in runs else None,
+        gamma=args.gamma,
     )
     failed = sum(r["failed_requests"] for r in runs.values())
     tput = {m: round(r["tokens_per_s"], 3) for m, r in runs.items()}
@@ -356,6 +360,7 @@ def write_json(path: Path, args, heldout, failed, tput, runs, drafter, overrides
             "heldout_per_domain": args.heldout,
             "max_new_tokens": args.max_new_tokens,
             "clients": args.clients,
+            "heldout_gamma": args.gamma,
             "start_drafter": drafter,
             "overrides": overrides,
             "duration_s": round(time.time() - started, 1),
@@ -373,6 +378,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heldout", type=int, default=24, help="held-out eval prompts per domain")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=2, help="concurrent streaming clients")
+    parser.add_argument("--gamma", type=int, default=3, help="draft length of the held-out evaluation")
     parser.add_argument("--modes", default="on,off", help="trainer modes to run, in order (default on,off)")
     parser.add_argument("--from-offline", action="store_true", help="start from the bootstrapped drafter")
     parser.add_argument("--drafter", default=None, metavar="DIR", help="start from this drafter directory")

@@ -3,8 +3,9 @@
 The online trainer (drafter_trainer/online.py) sees records in stream order and trains every
 `update_every_records`; this script feeds it the records of a Redis stream in the same order, without a
 server, and scores the candidate after each update round on held-out records of each domain (the gate's
-expected acceptance Σ min(p, q) at the first γ positions). Every record is teacher-labelled once and the
-labelled records are shared by all the settings tried, so comparing settings costs training time only.
+expected acceptance Σ min(p, q) at the first γ positions, and greedy match: what greedy traffic
+accepts). Every record is teacher-labelled once and the labelled records are shared by all the settings
+tried (`--labels PATH` keeps them for the next run), so comparing settings costs training time only.
 
     python scripts/osd_replay.py --redis redis://127.0.0.1:6399 \
         --drafter ~/.cache/specd/drafters/boot-quick-hidden \
@@ -18,15 +19,17 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from configs import load_config
 from drafter_trainer.gate import score
 from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import TargetTeacher, is_held_out, make_example
+from drafter_trainer.online_data import Example, TargetTeacher, is_held_out, make_example
 from drafter_trainer.replay_source import RECORD_FIELD
 from proto.replay_codec import decode_record
 from workers.models.loader import ensure_target_model
@@ -77,18 +80,22 @@ def replay(examples, setting: list[str], base_overrides: list[str], target_dir: 
             trainer.buffer.append(e)
             new += 1
             if new >= cfg.update_every_records:
+                t0 = time.perf_counter()
                 trainer.train_steps(cfg.steps_per_update)
+                train_s = time.perf_counter() - t0
                 trainer.gate_and_publish()
                 new = 0
-                rows.append(_row(trainer, holdout, cfg.gate_gamma, i))
+                rows.append({**_row(trainer, holdout, cfg.gate_gamma, i), "train_s": round(train_s, 1)})
     return rows
 
 
 def _row(trainer, holdout, gamma: int, seen: int) -> dict:
+    """Per domain: the candidate's expected acceptance and greedy match, and the serving version's."""
     row = {"records": seen, "publishes": trainer.stats.publishes}
     for domain, held in holdout.items():
-        row[domain] = round(score(trainer.candidate, held, gamma).expected_acceptance, 4)
-        row[f"{domain}/serving"] = round(score(trainer.serving, held, gamma).expected_acceptance, 4)
+        cand, serv = score(trainer.candidate, held, gamma), score(trainer.serving, held, gamma)
+        row[domain] = (round(cand.expected_acceptance, 4), round(cand.greedy_match, 4))
+        row[f"{domain}/serving"] = (round(serv.expected_acceptance, 4), round(serv.greedy_match, 4))
     return row
 
 
@@ -96,6 +103,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--redis", required=True)
     p.add_argument("--stream", default="specd:replay")
+    p.add_argument("--labels", default=None, metavar="PATH",
+                   help="labelled records: read when the file exists, else written")
     p.add_argument("--drafter", required=True, help="the drafter the stream's server started from")
     p.add_argument("--try", dest="settings", action="append", default=[],
                    help="comma-separated trainer overrides; repeat for each setting")
@@ -104,9 +113,16 @@ def main() -> None:
     cfg = load_config(args.overrides)
     target_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
     teacher = TargetTeacher(target_dir, top_k=cfg.trainer.teacher_topk)
-    records = load_records(args.redis, args.stream)
-    print(f"{len(records)} records")
-    examples = label_all(records, teacher, replace(cfg.trainer), need_hidden=True)
+    labels = Path(args.labels) if args.labels else None
+    if labels and labels.is_file():
+        examples = [Example(**e) for e in torch.load(labels, weights_only=True)]
+    else:
+        records = load_records(args.redis, args.stream)
+        print(f"{len(records)} records")
+        examples = label_all(records, teacher, replace(cfg.trainer), need_hidden=True)
+        if labels:
+            torch.save([dict(e.__dict__) for e in examples], labels)
+    print(f"{len(examples)} labelled records")
     for setting in args.settings or [""]:
         overrides = [s for s in setting.split(",") if s]
         for row in replay(examples, overrides, args.overrides, target_dir, str(Path(args.drafter)), teacher):
