@@ -36,7 +36,7 @@ class Example:
     topk_ids: torch.Tensor  # [n, k] int64
     weights: torch.Tensor  # [n] position weights (losses.position_weights)
     step_position: torch.Tensor  # [n] int64: index of the label within its step's drafts (0 = first)
-    in_step: torch.Tensor  # [n] bool: the label was verified by a step that drafted
+    in_step: torch.Tensor  # [n] bool: the gate scores the label (see draft_positions)
     states: torch.Tensor | None = None  # [L, H] bfloat16 target final hidden states
     domain: str = ""
     versions: list[tuple[str, int, int]] = field(default_factory=list)  # (version, drafted, accepted)
@@ -94,9 +94,39 @@ class TargetTeacher:
         return lp, ix.long(), torch.cat(states) if need_hidden else None
 
 
+def draft_positions(
+    n: int, steps: list[tuple[int, int, int, str]], chain: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # [n] int64, [n] bool
+    """(step_position, scored) of each output label, for the gate.
+
+    A label verified by a step that drafted sits at its place in that step's drafts. Labels no drafted
+    step covered (the policy drafted nothing there: γ = 0, a paused drafter) are split into chains of
+    `chain`, as if drafted from their first label: without them the gate saw only the traffic where
+    drafting already paid, and a domain where the drafter had stopped drafting could never show that
+    a candidate improved on it (`specd bench osd`: HumanEval's records carried no drafted step and no
+    candidate was published past its first 114 requests). The first output label (the prefill's
+    token, which no drafter proposes) is not scored."""
+    step_position = torch.zeros(n, dtype=torch.long)
+    scored = torch.zeros(n, dtype=torch.bool)
+    for offset, drafted, accepted, _ in steps:
+        end = min(offset + accepted + 1, n)
+        if drafted > 0 and offset < end:
+            step_position[offset:end] = torch.arange(end - offset)
+            scored[offset:end] = True
+    run = 0
+    for i in range(1, n):
+        if scored[i]:
+            run = 0
+            continue
+        step_position[i] = run % chain
+        run += 1
+    return step_position, scored | (torch.arange(n) > 0)
+
+
 def make_example(entry_id: str, record: ReplayRecord, teacher: TargetTeacher | None, *, positions: str,
-                 accepted_weight: float, need_hidden: bool) -> Example | None:
-    """None for a record with nothing to learn from (no output beyond the first token)."""
+                 accepted_weight: float, need_hidden: bool, chain: int = 4) -> Example | None:
+    """None for a record with nothing to learn from (no output beyond the first token). chain: the
+    gate's γ, the length of the chains labels no drafted step covered are scored in (draft_positions)."""
     prompt, output = list(record.prompt_token_ids), list(record.output_token_ids)
     if len(output) < 2 or not prompt:
         return None
@@ -115,13 +145,7 @@ def make_example(entry_id: str, record: ReplayRecord, teacher: TargetTeacher | N
             return None
         lp, ix, states = teacher.label(tokens, first, need_hidden)
     n = min(n, lp.shape[0])
-    step_position = torch.zeros(n, dtype=torch.long)
-    in_step = torch.zeros(n, dtype=torch.bool)
-    for offset, drafted, accepted, _ in steps:
-        end = min(offset + accepted + 1, n)
-        if offset < end:
-            step_position[offset:end] = torch.arange(end - offset)
-            in_step[offset:end] = drafted > 0
+    step_position, in_step = draft_positions(n, steps, chain)
     weights = position_weights(n, [(o, d, a) for o, d, a, _ in steps], positions, accepted_weight)[:n]
     return Example(
         entry_id=entry_id, token_ids=torch.tensor(tokens[: first + 1 + n]), first_label=first,

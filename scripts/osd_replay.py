@@ -56,7 +56,7 @@ def label_all(records, teacher, cfg, need_hidden: bool):
     out = []
     for eid, rec in tqdm(records, desc="teacher labels", unit="rec"):
         ex = make_example(eid, rec, teacher, positions=cfg.positions, accepted_weight=cfg.accepted_weight,
-                          need_hidden=need_hidden)
+                          need_hidden=need_hidden, chain=cfg.gate_gamma)
         if ex is not None:
             out.append(ex)
     return out

@@ -14,7 +14,7 @@ from cluster.redis_server import ManagedRedis
 from configs.schema import TrainerConfig
 from drafter_trainer.gate import LiveMonitor, score
 from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import TargetTeacher, make_example
+from drafter_trainer.online_data import TargetTeacher, draft_positions, make_example
 from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
 from proto.replay_codec import RecordBuilder, encode_record
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
@@ -189,3 +189,16 @@ def test_live_monitor_rolls_back_below_parent_by_margin_only_after_a_window() ->
         m.observe("ok", 4, 2)
     assert m.should_roll_back("ok", "parent") is None
     assert m.should_roll_back("child", None) is None
+
+
+def test_labels_no_drafted_step_covered_are_scored_in_chains_of_the_gate_gamma() -> None:
+    # 10 output labels: label 0 from the prefill; a drafted step over 1-2 (one accepted + recovered);
+    # five steps that drafted nothing (γ = 0) over 3-7; a drafted step over 8-9.
+    steps = [(1, 3, 1, "v1"), *[(o, 0, 0, "v1") for o in range(3, 8)], (8, 2, 1, "v1")]
+    position, scored = draft_positions(10, steps, chain=4)
+    assert position.tolist() == [0, 0, 1, 0, 1, 2, 3, 0, 0, 1]
+    assert scored.tolist() == [False] + [True] * 9
+    # a record the policy never drafted for is still scored: chains of 4 from label 1
+    position, scored = draft_positions(7, [(o, 0, 0, "v1") for o in range(1, 7)], chain=4)
+    assert position.tolist() == [0, 0, 1, 2, 3, 0, 1]
+    assert scored.tolist() == [False] + [True] * 6

@@ -88,8 +88,7 @@ class DraftWorker:
         # greedy and sampled requests apart: the same drafter's drafts are accepted less under sampling, and
         # sampled requests seeded from greedy figures overdrafted (GSM8K, batch 16, T = 0.7: first-position
         # estimates of 0.5-0.7, 28 of 99 drafts accepted)
-        self.positions = {greedy: PositionCounts(max(spec.gamma_max, 1), prior=spec.goodput_prior)
-                          for greedy in (True, False)}
+        self.positions = self._fresh_positions()
         self.last_plan = None              # the goodput plan of the latest propose (None: nobody on it)
         self._last_draft_seconds = 0.0
         self.goodput_ema = {"predicted": 0.0, "measured": 0.0}
@@ -198,6 +197,10 @@ class DraftWorker:
         return {"version": (weights or self.drafter).version, "swaps": s.swaps if s else 0,
                 "rejected": dict(s.rejected) if s else {}}
 
+    def _fresh_positions(self) -> dict[bool, PositionCounts]:
+        return {greedy: PositionCounts(max(self.spec.gamma_max, 1), prior=self.spec.goodput_prior)
+                for greedy in (True, False)}
+
     def _apply_pending_swap(self) -> None:
         # Called first thing in a step's call: every draft of that call comes from one version.
         ready = self._swapper.take() if self._swapper is not None else None
@@ -205,6 +208,10 @@ class DraftWorker:
             version, tensors = ready
             self.drafter.weights_drafter.load_tensors(tensors, version)
             self._swapper.applied(version)
+            # The counts measured the old weights. Kept, they seeded new requests with what the old version
+            # achieved, and where that was too little to draft (HumanEval after GSM8K in `specd bench osd`)
+            # nothing drafted again, so no version's improvement was ever tried: measure the new one afresh.
+            self.positions = self._fresh_positions()
 
     def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
         """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify)."""

@@ -46,12 +46,16 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
     swapper.stop()               # no background checks racing the ones below (it checked an empty store)
     head_before = worker.drafter.weights_drafter.runner.model.lm_head.weight.clone()
 
+    worker.positions[True].observe(3, 0)          # the old version's drafts were all rejected ...
+    low = worker.positions[True].alpha()[0]
     good = _publish(store, token_dir, tiny_llama_dir)
     assert swapper.check() == good
     assert worker.swap_stats()["version"] == start                 # parked, not applied until the next step
     worker.propose([])
     assert worker.swap_stats()["version"] == good and worker.swap_stats()["swaps"] == 1
     assert not torch.equal(worker.drafter.weights_drafter.runner.model.lm_head.weight, head_before)
+    # ... the new version's acceptance is measured afresh from the prior, not seeded with the old one's
+    assert worker.positions[True].alpha()[0] == worker.spec.goodput_prior > low
 
     caplog.set_level(logging.WARNING, logger="workers.engine.hot_swap")
     corrupt = _publish(store, token_dir, tiny_llama_dir)
