@@ -251,7 +251,8 @@ def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Pat
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for name, run in runs.items():
-        rows = [r for r in run["requests"] if r and "alpha" in r]
+        # a request the policy drafted nothing for has no α (plotted as 0 it read as a collapse)
+        rows = [r for r in run["requests"] if r and r.get("drafted")]
         xs, ys = [r["index"] for r in rows], [r["alpha"] for r in rows]
         window = max(1, len(ys) // 25)
         smooth = [

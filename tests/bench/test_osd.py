@@ -27,7 +27,8 @@ def test_swap_events_mark_the_first_request_of_each_new_version() -> None:
 
 
 def test_plot_is_written(tmp_path) -> None:
-    run = {"requests": [{"index": i, "alpha": i / 10, "versions": ["a"]} for i in range(10)],
+    rows = [{"index": i, "alpha": i / 10, "drafted": i % 3, "versions": ["a"]} for i in range(10)]
+    run = {"requests": rows,
            "swaps": [{"index": 4, "version": "b"}]}
     path = write_plot(tmp_path / "osd.png", {"on": run, "off": run}, 5, "t")
     assert path.stat().st_size > 1000
