@@ -167,6 +167,10 @@ def build_jobs(
         "pad_token_id": pad,
         "ld_preload": iomp_library() if iomp else None,
         "warmup_prompt": prompts[plan.workloads[0]][0][1],
+        # On a GPU the first forward of each shape captures a CUDA graph (specd) or compiles (transformers):
+        # a one-time cost per process, like loading, so every system first runs each cell's first group
+        # untimed there. On the CPU nothing is captured and the single warm-up generate is enough.
+        "warm_each_cell": str(cfg.target.device).startswith("cuda"),
         "paired": paired,
         "cells": cells,
     }

@@ -59,6 +59,15 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
         paired = bool(job.get("paired")) and system.spec_enabled and system.backend == "torch"
         if paired:
             result.update(paired_base_wall_s=0.0, paired_base_tokens=0)
+        if job.get("warm_each_cell"):
+            prompts, seeds = next(groups(cell["prompts"], cell["seeds"], cell["batch"]))
+            warm_group = [
+                NewRequest(f"{SCRATCH_PREFIX}warm-{tag}-{i}", list(p),
+                           SamplingParams(temperature=cell["temperature"], seed=seed),
+                           job["max_new_tokens"], spec)
+                for i, (p, seed) in enumerate(zip(prompts, seeds, strict=True))
+            ]
+            engine.generate(warm_group, ignore_eos=True)
         for g, (prompts, seeds) in enumerate(groups(cell["prompts"], cell["seeds"], cell["batch"])):
             made = [(f"{tag}-{g}-{i}", list(p), SamplingParams(temperature=cell["temperature"], seed=seed))
                     for i, (p, seed) in enumerate(zip(prompts, seeds, strict=True))]
@@ -125,9 +134,14 @@ def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=dtype).to(device).eval()
     static: dict[str, Any] = {}
     if system.compiled:
-        # transformers' static cache keeps shapes fixed so the compiled forward is reused step to step.
-        static = {"cache_implementation": "static"}
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        from transformers import CompileConfig
+
+        # transformers' static cache keeps shapes fixed, and generate() then compiles its decode steps
+        # itself (torch.compile, reduce-overhead: CUDA graphs) and marks each step for cudagraph trees; a
+        # forward compiled by hand fails there once a graph's output is overwritten by the next replay.
+        config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        config._compile_all_devices = True   # generate() compiles on GPUs only unless told otherwise
+        static = {"cache_implementation": "static", "compile_config": config}
     load_s = time.perf_counter() - t0
     pad = job["pad_token_id"]
 
@@ -157,6 +171,9 @@ def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
     for cell in job["cells"]:
         events.emit("cell", workload=cell["workload"], batch=cell["batch"], temperature=cell["temperature"])
         result = new_cell_result(cell)
+        if job.get("warm_each_cell"):
+            prompts, seeds = next(groups(cell["prompts"], cell["seeds"], cell["batch"]))
+            generate(prompts, cell["temperature"], seeds[0], job["max_new_tokens"])
         for prompts, seeds in groups(cell["prompts"], cell["seeds"], cell["batch"]):
             start = time.perf_counter()
             outputs = generate(prompts, cell["temperature"], seeds[0], job["max_new_tokens"])

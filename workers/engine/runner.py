@@ -334,16 +334,16 @@ class ModelRunner:
                 depth[row, i] = depth[row, parent] + 1
                 mask[row, i] |= mask[row, parent]  # ancestors of the parent, then self (eye)
         starts = self.cache.lengths[slots]  # [b]
+        feats = stale = None
+        if features is not None:
+            feats, stale = self._feature_inputs(features, staleness, sizes, n)
         if self.static is not None and self.static.handles(b, n):
             logits, hidden = self.static.forward(
-                ids, depth, mask, list(slots), starts.tolist(), self.full_vocab, return_hidden
+                ids, depth, mask, list(slots), starts.tolist(), self.full_vocab, return_hidden, feats, stale
             )
             self.cache.lengths[slots] = starts + torch.tensor(sizes, device=starts.device)
             return (logits, hidden) if return_hidden else logits
         positions = starts[:, None] + depth  # [b, n]
-        feats = stale = None
-        if features is not None:
-            feats, stale = self._feature_inputs(features, staleness, sizes, n)
         logits = self._forward(
             ids.to(self.device),
             positions.to(self.device),

@@ -120,3 +120,27 @@ def test_static_engine_is_token_identical_to_eager(static_workers, target_only_o
     outputs = _generate(target, drafters[kind] if kind else None, spec)
     assert outputs == target_only_outputs
     assert all(len(o) == 32 for o in outputs)
+
+
+def test_static_drafter_drafts_what_eager_drafts_with_target_hidden_states(boot_hidden_drafter_dir) -> None:
+    """The hidden-state drafter on the static (GPU) path gets its features in chains and trees alike: the
+    same drafts as eager. Output exactness alone cannot catch a drafter that ignores its features there."""
+    from workers.drafters.model import ModelDrafter
+
+    gen = torch.Generator().manual_seed(0)
+    prompt = [1, 504, 3062, 288, 253, 1176, 314, 2428, 30, 198, 3117, 28, 216, 33, 28]
+    hidden_size = ModelDrafter(boot_hidden_drafter_dir, max_slots=2, max_seq_len=128).hidden_size
+    prompt_hidden = torch.randn(len(prompt) - 1, hidden_size, generator=gen)   # [len(prompt) - 1, H]
+    step_hidden = torch.randn(1, hidden_size, generator=gen)                   # [1, H]
+    drafts = []
+    for decode in ("eager", "static"):
+        drafter = ModelDrafter(boot_hidden_drafter_dir, max_slots=2, max_seq_len=128, pack="none",
+                               decode=decode)
+        assert drafter.uses_target_hidden
+        drafter.add_request("r", prompt, seed=0, hidden=prompt_hidden)
+        chain = drafter.propose(["r"], [3], [SamplingParams()]).tokens
+        drafter.commit("r", 0, [prompt[-1]], hidden=step_hidden)
+        tree = drafter.propose_tree(["r"], [3], [3], [SamplingParams()])
+        drafts.append((chain, tree.tokens, tree.parents))
+    assert drafts[0] == drafts[1]
+    assert len(drafts[0][1][0]) == 3 * 3   # width 3 at the first level, each a chain of depth 3
