@@ -147,9 +147,13 @@ def heldout_acceptance(
     """{domain: {"before", "after", "after_version", "final"}}: α on eval prompts, in process, with the
     starting drafter (`before`), with `after[domain]` (the version serving when that domain's stream
     ended) and with the version CURRENT names in `store` at the end (`final`). No store: before only.
+    Each also as `<key>_first`: the acceptance of the first draft of a step alone.
 
     Drafts are chains of a fixed `gamma`, whatever the serving policy: α = accepted / drafted falls with
-    γ (every position after a rejection counts as drafted), so only a fixed γ compares drafters."""
+    γ (every position after a rejection counts as drafted), so only a fixed γ compares drafters. The first
+    draft of a greedy step is accepted exactly when the drafter's token is the target's next token after
+    the target's own prefix: `_first` is the OSD paper's token acceptance rate under greedy decoding,
+    which no chain length dilutes."""
     from dataclasses import replace
 
     from configs import load_config
@@ -168,14 +172,16 @@ def heldout_acceptance(
         d: [encode_prompt(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in DOMAINS
     }
 
-    def alpha(tag: str, domain: str) -> float:
+    def measure(into: dict[str, Any], key: str, domain: str) -> None:
         reqs = [
-            NewRequest(f"{tag}-{domain}-{i}", p, SamplingParams(), max_new_tokens, spec)
+            NewRequest(f"{key}-{domain}-{i}", p, SamplingParams(), max_new_tokens, spec)
             for i, p in enumerate(prompts[domain])
         ]
-        seqs = engine.generate(reqs, ignore_eos=True)
-        drafted = sum(s.stats.drafted for s in seqs)
-        return round(sum(s.stats.accepted for s in seqs) / drafted, 4) if drafted else 0.0
+        stats = [s.stats for s in engine.generate(reqs, ignore_eos=True)]
+        into[key] = _ratio(sum(s.accepted for s in stats), sum(s.drafted for s in stats))
+        first = [s for s in stats if s.drafted_per_position]
+        into[f"{key}_first"] = _ratio(sum(s.accepted_per_position[0] for s in first),
+                                      sum(s.drafted_per_position[0] for s in first))
 
     def serve_version(version: str | None) -> str:
         """Pin `version` (None: CURRENT) and apply it between "steps"; returns the version serving."""
@@ -184,21 +190,28 @@ def heldout_acceptance(
         drafter.propose([])
         return drafter.version()
 
-    result: dict[str, dict[str, Any]] = {d: {"before": alpha("before", d)} for d in DOMAINS}
+    result: dict[str, dict[str, Any]] = {d: {} for d in DOMAINS}
+    for d in DOMAINS:
+        measure(result[d], "before", d)
     if store is None or not (store / "CURRENT").is_file():
         return result
     drafter.watch_versions(str(store), str(target.model_dir), poll_s=3600)
     for d in DOMAINS:
         if after and after.get(d):
             result[d]["after_version"] = serve_version(after[d])
-            result[d]["after"] = alpha("after", d)
+            measure(result[d], "after", d)
     final = serve_version(None)
     for d in DOMAINS:
         result[d]["final_version"] = final
-        result[d]["final"] = alpha("final", d)
-        result[d].setdefault("after_version", final)
-        result[d].setdefault("after", result[d]["final"])
+        measure(result[d], "final", d)
+        if "after" not in result[d]:
+            result[d].update(after_version=final, after=result[d]["final"],
+                             after_first=result[d]["final_first"])
     return result
+
+
+def _ratio(part: int, whole: int) -> float:
+    return round(part / whole, 4) if whole else 0.0
 
 
 def serving_at_domain_end(rows: list[dict | None]) -> dict[str, str]:
@@ -300,7 +313,7 @@ def run_bench(args: argparse.Namespace) -> int:
     ]
     started = time.time()
     runs: dict[str, dict] = {}
-    for mode in args.modes.split(","):
+    for mode in [m for m in args.modes.split(",") if m]:
         store = work / f"store-{mode}"
         server = ServerProcess(
             # every version stays on disk, so the one serving when a domain ended can be evaluated
@@ -326,6 +339,14 @@ def run_bench(args: argparse.Namespace) -> int:
         serving_at_domain_end(runs["on"]["requests"]) if "on" in runs else None,
         gamma=args.gamma,
     )
+    reference = reference_drafter(args, drafter, cfg.cache_dir)
+    if reference:
+        # the same held-out evaluation of another drafter (by default the offline one): how far online
+        # training took the starting drafter toward it
+        ref = heldout_acceptance([*overrides, f"drafter.path={reference}", "drafter.kind=model"], None,
+                                 args.heldout, args.max_new_tokens, gamma=args.gamma)
+        for d in DOMAINS:
+            heldout[d].update(reference=ref[d]["before"], reference_first=ref[d]["before_first"])
     failed = sum(r["failed_requests"] for r in runs.values())
     tput = {m: round(r["tokens_per_s"], 3) for m, r in runs.items()}
     print(f"held-out acceptance: {json.dumps(heldout)}")
@@ -333,25 +354,42 @@ def run_bench(args: argparse.Namespace) -> int:
         f"throughput tok/s: {tput}; failed requests: {failed}; "
         f"swaps (trainer on): {len(runs.get('on', {}).get('swaps', []))}"
     )
-    plot = write_plot(
-        Path(args.plot) if args.plot else work / "osd.png",
-        runs,
-        args.requests_per_domain,
-        f"specd bench osd: {args.requests_per_domain} GSM8K then {args.requests_per_domain} HumanEval",
-    )
-    print(f"plot: {plot}")
+    if runs:
+        plot = write_plot(
+            Path(args.plot) if args.plot else work / "osd.png",
+            runs,
+            args.requests_per_domain,
+            f"specd bench osd: {args.requests_per_domain} GSM8K then {args.requests_per_domain} HumanEval",
+        )
+        print(f"plot: {plot}")
     if args.json:
-        write_json(Path(args.json), args, heldout, failed, tput, runs, drafter, overrides, started, work)
+        write_json(Path(args.json), args, heldout, failed, tput, runs, (drafter, reference), overrides,
+                   started, work)
     return 0
 
 
-def write_json(path: Path, args, heldout, failed, tput, runs, drafter, overrides, started, work) -> None:
-    """--json: per-domain held-out acceptance before/after, failed requests, throughput on/off, runs."""
+def reference_drafter(args: argparse.Namespace, start: str, cache_dir: str | None) -> str | None:
+    """--reference DIR, else the offline (bootstrapped) drafter when it exists and is not the start."""
+    if args.reference:
+        return None if args.reference == "none" else args.reference
+    from workers.drafters.model import default_drafter_dir
+
+    offline = default_drafter_dir(cache_dir, target_hidden=True)
+    if (offline / "config.json").exists() and offline.resolve() != Path(start).resolve():
+        return str(offline)
+    return None
+
+
+def write_json(path: Path, args, heldout, failed, tput, runs, drafters, overrides, started, work) -> None:
+    """--json: per-domain held-out acceptance before/after (α of γ-chains; `first_position`: of the first
+    draft alone; `reference`: another drafter's, the offline one by default), failed requests,
+    throughput on/off, runs."""
+    drafter, reference = drafters
     out = {d: heldout[d] for d in DOMAINS}
+    keys = ("before", "after", "final", "reference")
     doc = {
-        "before": {d: heldout[d]["before"] for d in DOMAINS},
-        "after": {d: heldout[d].get("after") for d in DOMAINS},
-        "final": {d: heldout[d].get("final") for d in DOMAINS},
+        **{k: {d: heldout[d].get(k) for d in DOMAINS} for k in keys},
+        "first_position": {k: {d: heldout[d].get(f"{k}_first") for d in DOMAINS} for k in keys},
         "failed_requests": failed,
         "throughput_tokens_per_s": tput,
         "throughput_ratio_on_off": round(tput["on"] / tput["off"], 4) if tput.get("off") else None,
@@ -363,6 +401,7 @@ def write_json(path: Path, args, heldout, failed, tput, runs, drafter, overrides
             "clients": args.clients,
             "heldout_gamma": args.gamma,
             "start_drafter": drafter,
+            "reference_drafter": reference,
             "overrides": overrides,
             "duration_s": round(time.time() - started, 1),
             "work_dir": str(work),
@@ -380,7 +419,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=2, help="concurrent streaming clients")
     parser.add_argument("--gamma", type=int, default=3, help="draft length of the held-out evaluation")
-    parser.add_argument("--modes", default="on,off", help="trainer modes to run, in order (default on,off)")
+    parser.add_argument("--modes", default="on,off",
+                        help="trainer modes to run, in order (default on,off; '' = held-out evaluation only)")
+    parser.add_argument("--reference", default=None, metavar="DIR",
+                        help="another drafter the held-out evaluation also measures (default: the offline "
+                             "one, if built; 'none': no other)")
     parser.add_argument("--from-offline", action="store_true", help="start from the bootstrapped drafter")
     parser.add_argument("--drafter", default=None, metavar="DIR", help="start from this drafter directory")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 6 requests per domain, 16 tokens")

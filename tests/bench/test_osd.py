@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 from bench.osd import (
     DOMAINS,
     bootstrap_prompts,
+    reference_drafter,
     serving_at_domain_end,
     stream_prompts,
     swap_events,
@@ -52,3 +55,16 @@ def test_the_stream_puts_prompts_the_quick_drafter_was_trained_on_last() -> None
     humaneval = [(p.source, p.index) in seen for d, p in prompts if d == "humaneval"]
     first_seen = humaneval.index(True)                              # 120 rows: the stream cycles
     assert first_seen == 120 - sum(s == "humaneval" for s, _ in seen) and not any(humaneval[:first_seen])
+
+
+def test_the_reference_is_the_offline_drafter_when_built_and_not_the_start(tmp_path) -> None:
+    args = argparse.Namespace(reference=None)
+    offline = tmp_path / "drafters" / "boot-hidden"
+    quick = tmp_path / "drafters" / "boot-quick-hidden"
+    assert reference_drafter(args, str(quick), str(tmp_path)) is None          # not built
+    offline.mkdir(parents=True)
+    (offline / "config.json").write_text("{}")
+    assert reference_drafter(args, str(quick), str(tmp_path)) == str(offline)
+    assert reference_drafter(args, str(offline), str(tmp_path)) is None        # started from it
+    assert reference_drafter(argparse.Namespace(reference="none"), str(quick), str(tmp_path)) is None
+    assert reference_drafter(argparse.Namespace(reference="/x"), str(quick), str(tmp_path)) == "/x"

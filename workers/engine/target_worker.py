@@ -220,19 +220,26 @@ class TargetWorker:
         q = self._stack_q(chain, gamma_max, p.shape[-1], draft_tokens, p.device)
         out = verify_chain(draft_tokens, num_drafts, q, p, [runs[i].generator for i in rows],
                            [runs[i].sampling.is_greedy for i in rows])
+        # One device-to-host read for the whole batch (each read is a GPU synchronisation), then host lists.
+        num_accepted, is_bonus, output_tokens = (
+            t.tolist() for t in (out.num_accepted, out.is_bonus, out.output_tokens)
+        )
+        states = None
+        if hidden is not None:
+            states = hidden[rows, : gamma_max + 1].float().cpu()          # [c, γmax+1, H]
         results = {}
         for j, i in enumerate(rows):
             d, run = drafts[i], runs[i]
-            accepted = int(out.num_accepted[j])
-            new_tokens = out.output_tokens[j, : accepted + 1].tolist()
+            accepted = int(num_accepted[j])
+            new_tokens = output_tokens[j][: accepted + 1]
             # keep the old pending token and the accepted drafts; the last emitted token becomes pending
             self.runner.rollback(run.slot, starts[i] + 1 + accepted)
             run.pending = new_tokens[-1]
             run.num_tokens += len(new_tokens)
-            res = VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bool(out.is_bonus[j]))
-            if hidden is not None:
+            res = VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bool(is_bonus[j]))
+            if states is not None:
                 # the states at [pending, accepted drafts] predicted [accepted drafts, recovered|bonus]
-                res.hidden = hidden[i, : accepted + 1].float().cpu()
+                res.hidden = states[j, : accepted + 1].clone()
             results[i] = res
         return results
 
