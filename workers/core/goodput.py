@@ -18,12 +18,22 @@ requests verified together in one target forward, we pick (γ_i, w_i) to maximis
   row (w = 1: fully padded, the CUDA-graph buckets; `padded=True/False` forces 1 or 0), plus what going
   ragged costs at all (`ragged[b]`: the row groups' extra gathers and attention calls; on a 2-core CPU
   3-6 ms at batch 16, up to as much as 2 more tokens per row).
+- A step that drafts also pays host work no forward accounts for: the plan itself, suffix lookups, the
+  drafter's commits, longer bookkeeping. On a 2-core CPU that is about 1 ms of a 140 ms step at batch
+  16; on an H100 (a 6 ms step at batch 8) drafting steps took ~20 ms and the default ran at 0.38x
+  target-only. Where drafter and target share a thread (the in-process engine) each step's wall time
+  less its verify and priced drafter forwards is measured (`observe_host`), and what drafting steps
+  take beyond steps that draft nothing is charged to every plan that drafts (`host_seconds`), a fixed
+  cost per step.
 
 Optimisation is greedy: start from γ = 0 everywhere and repeatedly apply the move with the best goodput,
 among "one more draft token for request i", "one more tree candidate for request i" and "lift every
 request to the next level" (that move matters with padded rows, where one row alone never pays for the
-longer forward but all rows together may); stop when no move raises goodput. γ = 0 for every request is
-plain target-only decoding, which is what the controller falls back to when drafting cannot pay.
+longer forward but all rows together may); stop when no move raises goodput. The fixed host cost of a
+drafting step would stop the first move of every climb (one draft token rarely pays a whole step's
+host work, eight may), so the climb runs without it, goes on with it, and the result must then beat
+drafting nothing with it. γ = 0 for every request is plain target-only decoding, which is what the
+controller falls back to when drafting cannot pay.
 
 Plain python: no torch, ray, grpc or redis.
 """
@@ -34,6 +44,17 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+HOST_DRIFT = 0.02   # per step without drafts: the drafting host figure's pull toward the plain one
+HOST_BETA_UP = 0.5  # EMA factor of a drafting step's host seconds above the current figure
+
+
+def _interpolated(table: dict[int, float], x: float) -> float:
+    """interpolate() over a sparse {x: y} table, clipped at 0; 0 when empty."""
+    if not table:
+        return 0.0
+    xs = sorted(table)
+    return max(interpolate(xs, [table[k] for k in xs], x), 0.0) if len(xs) > 1 else table[xs[0]]
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -85,6 +106,9 @@ class StepCostModel:
         self.pad_weight = profile.pad_weight if padded is None else float(padded)
         self.ragged_batches = sorted(profile.ragged)
         self.ragged_table = dict(profile.ragged)
+        # batch bucket -> host seconds of a step that drafted / drafted nothing (EMA; see observe_host)
+        self.host_draft: dict[int, float] = {}
+        self.host_plain: dict[int, float] = {}
         self.beta = beta
 
     def _verify_row(self, b: int, n: float) -> float:
@@ -111,6 +135,31 @@ class StepCostModel:
             return 0.0
         per = interpolate(self.draft_batches, [self.draft_table[x] for x in self.draft_batches], b)
         return max(per, 0.0) * depth
+
+    def host_seconds(self, b: int) -> float:
+        """What a step over b requests that drafts costs beyond the forwards priced here and beyond a
+        step that drafts nothing (0 until drafting steps were measured)."""
+        drafting = _interpolated(self.host_draft, b)
+        return max(drafting - _interpolated(self.host_plain, b), 0.0) if drafting else 0.0
+
+    def observe_host(self, b: int, seconds: float, drafted: bool) -> None:
+        """A measured step over b requests: its wall time less its verify and priced drafter forwards.
+
+        Steps that draft and steps that do not are kept apart (nearest profiled batch size); their
+        difference is what drafting costs the host. While nothing drafts, the drafting figure drifts
+        toward the plain one (HOST_DRIFT per step), so a figure taken in a slow moment cannot stop
+        drafting for good: drafting is tried again and measured again."""
+        if b <= 0 or seconds < 0:
+            return
+        near = min(self.batches, key=lambda x: abs(math.log(x) - math.log(b)))
+        table = self.host_draft if drafted else self.host_plain
+        old = table.get(near)
+        # a drafting step that cost more than thought weighs more: after a retry the figure must climb back
+        # before drifting lets drafting be tried again
+        beta = HOST_BETA_UP if drafted and old is not None and seconds > old else self.beta
+        table[near] = seconds if old is None else (1 - beta) * old + beta * seconds
+        if not drafted and near in self.host_draft:
+            self.host_draft[near] -= HOST_DRIFT * (self.host_draft[near] - table[near])
 
     def step_seconds(
         self,
@@ -232,12 +281,15 @@ class GoodputController:
         self.min_gain = min_gain  # relative: a move must raise goodput by more than this share
 
     def seconds(
-        self, depths: Sequence[int], widths: Sequence[int], slots: Sequence[Slot] | None = None
+        self, depths: Sequence[int], widths: Sequence[int], slots: Sequence[Slot] | None = None,
+        host: bool = True,
     ) -> float:
+        """Predicted step seconds; host=False leaves out the fixed host work of a drafting step."""
         rows = [1 + d * w for d, w in zip(depths, widths, strict=True)]
         free = [s.free for s in slots] if slots is not None else None
         setup = sum(s.setup_seconds for s, d in zip(slots, depths, strict=True) if d > 0) if slots else 0.0
-        return self.costs.step_seconds(rows, depths, widths, free) + setup
+        fixed = self.costs.host_seconds(len(rows)) if host and any(d > 0 for d in depths) else 0.0
+        return self.costs.step_seconds(rows, depths, widths, free) + setup + fixed
 
     def evaluate(self, slots: Sequence[Slot], depths: Sequence[int], widths: Sequence[int]) -> Plan:
         tokens = sum(_per_slot_tokens(slots, depths, widths))
@@ -257,10 +309,17 @@ class GoodputController:
 
     def plan(self, slots: Sequence[Slot]) -> Plan:
         """The greedy plan: deterministic (ties go to the earliest, cheapest move)."""
-        depths = [min(s.min_depth, s.max_depth) for s in slots]
-        widths = [1] * len(slots)
+        base = self.evaluate(slots, [min(s.min_depth, s.max_depth) for s in slots], [1] * len(slots))
+        climbed = self._climb(slots, base.depths, base.widths, host=False)
+        if (climbed.depths, climbed.widths) == (base.depths, base.widths):
+            return base
+        climbed = self._climb(slots, climbed.depths, climbed.widths, host=True)
+        return climbed if climbed.goodput > base.goodput * (1 + self.min_gain) else base
+
+    def _climb(self, slots: Sequence[Slot], depths: list[int], widths: list[int], host: bool) -> Plan:
+        """Apply the best move until none raises goodput (priced with or without the host work)."""
         gains = _per_slot_tokens(slots, depths, widths)
-        best = Plan(depths, widths, sum(gains), self.seconds(depths, widths, slots))
+        best = Plan(depths, widths, sum(gains), self.seconds(depths, widths, slots, host))
         while True:
             candidate = None
             for i, d, w in self._moves(slots, best.depths, best.widths):
@@ -268,11 +327,11 @@ class GoodputController:
                     tokens = sum(_per_slot_tokens(slots, d, w))
                 else:
                     tokens = best.expected_tokens - gains[i] + slots[i].acceptance.expected_tokens(d[i], w[i])
-                plan = Plan(d, w, tokens, self.seconds(d, w, slots))
+                plan = Plan(d, w, tokens, self.seconds(d, w, slots, host))
                 if plan.goodput > (candidate or best).goodput * (1 + self.min_gain):
                     candidate = plan
             if candidate is None:
-                return best
+                return best if host else self.evaluate(slots, best.depths, best.widths)
             best = candidate
             gains = _per_slot_tokens(slots, best.depths, best.widths)
 

@@ -91,6 +91,7 @@ class DraftWorker:
         self.positions = self._fresh_positions()
         self.last_plan = None              # the goodput plan of the latest propose (None: nobody on it)
         self._last_draft_seconds = 0.0
+        self._priced_seconds = 0.0         # what the cost model priced of the latest propose (observe_steps)
         self.goodput_ema = {"predicted": 0.0, "measured": 0.0}
         # True when this worker shares the target's device and thread (the in-process engine sets it): its
         # catch-up prefills then add to the step's time and the goodput plan charges them
@@ -213,12 +214,16 @@ class DraftWorker:
             # nothing drafted again, so no version's improvement was ever tried: measure the new one afresh.
             self.positions = self._fresh_positions()
 
-    def propose(self, items: list[DraftItem], last_verify: tuple | None = None) -> list[Draft]:
-        """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify)."""
+    def propose(self, items: list[DraftItem], last_verify: tuple | None = None,
+                step_times: list[tuple[int, bool, bool, float]] | None = None) -> list[Draft]:
+        """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify);
+        step_times: see observe_steps."""
         t0 = time.perf_counter()
         self._apply_pending_swap()
         if last_verify is not None:
             self.observe_verify(*last_verify)
+        if step_times:
+            self.observe_steps(step_times)
         planned = []
         for item in items:
             r = self.requests[item.request_id]
@@ -256,9 +261,18 @@ class DraftWorker:
         for item, r, _ in planned:
             r.last_hinted, r.hinted = r.hinted and bool(drafts[item.request_id].tokens), False
         modelled = [drafts[item.request_id] for item, r, _ in planned if not r.last_hinted]
-        self._observe_drafting(modelled, t2 - t1)
+        self._priced_seconds = self._observe_drafting(modelled, t2 - t1)
+        self._last_draft_seconds = t2 - t1
         self._busy += t2 - t0
         return [drafts[item.request_id] for item in items]
+
+    def observe_steps(self, step_times: list[tuple[int, bool, bool, float]]) -> None:
+        """Host work of the steps since the previous propose: (requests, drafted, asked, seconds of the
+        step beyond its verify). A step that asked this worker is the previous propose's: the drafter
+        forwards it priced are taken off. Only a drafter that shares the target's thread sends them (a
+        Ray actor of its own works while the target verifies)."""
+        for b, drafted, asked, seconds in step_times:
+            self.costs.observe_host(b, max(seconds - (self._priced_seconds if asked else 0.0), 0.0), drafted)
 
     def _kv_room(self, r: _DraftRequest, remaining: int) -> int:
         """Draft nodes this step may add: the target writes 1 + nodes positions after the committed
@@ -319,13 +333,15 @@ class DraftWorker:
                                          [r.request.sampling for _, r, _ in rows])
         return {item.request_id: h for (item, _, _), h in zip(rows, hints, strict=True) if h is not None}
 
-    def _observe_drafting(self, drafts: list[Draft], seconds: float) -> None:
-        """The drafter's cost model follows the measured propose time of the drafts a model drafted."""
-        self._last_draft_seconds = seconds
+    def _observe_drafting(self, drafts: list[Draft], seconds: float) -> float:
+        """The drafter's cost model follows the measured propose time of the drafts a model drafted;
+        returns the seconds it priced that way (0 when no model drafted)."""
         depths = [_depth(d.parents[1:]) if d.parents else len(d.tokens) for d in drafts]
         drafting = [x for x in depths if x > 0]
-        if drafting:
-            self.costs.observe_draft(len(drafting), max(drafting), seconds)
+        if not drafting:
+            return 0.0
+        self.costs.observe_draft(len(drafting), max(drafting), seconds)
+        return seconds
 
     def _propose_chains(self, group, drafts: dict[str, Draft]) -> None:
         rids = [item.request_id for item, _, _ in group]

@@ -48,6 +48,7 @@ DRAFTER_PROBE_TIMEOUT_S = 0.5
 PAUSE_STEPS = 2
 PAUSE_MAX_STEPS = 8
 PAUSE_MIN_BATCH = 4
+STEP_TIMES_MAX = 64   # step timings kept for the drafter while it is not asked (more add nothing)
 
 
 @dataclass
@@ -79,6 +80,9 @@ class SpecStep:
         self._last_probe = 0.0
         self.drafter_failures = 0                # drafter calls that raised
         self.fallback_requests = 0               # requests moved to target-only decoding by them
+        # (requests, drafted, asked the drafter, wall less verify seconds) of the steps since the last
+        # propose, for the goodput policy's host cost (DraftWorker.observe_steps); in-process only
+        self._step_times: list[tuple[int, bool, bool, float]] = []
         self._pause = 0                          # steps left that do not ask the drafter (PAUSE_STEPS)
         self._next_pause = PAUSE_STEPS           # the next pause's length (doubles while nothing drafts)
         self.paused_steps = 0
@@ -160,6 +164,7 @@ class SpecStep:
         live = [s for s in seqs if not s.finished]
         if not live:
             return []
+        t0 = time.perf_counter()
         ids = [s.request_id for s in live]
         drafting = [s for s in live if self._speculates(s)]
         skipped: set[str] = set()
@@ -172,7 +177,9 @@ class SpecStep:
         if drafting:
             items = [s.next_draft_item() for s in drafting]
             try:
-                proposed = await self.drafter.propose(items, last_verify=self._last_verify)
+                proposed = await self.drafter.propose(items, last_verify=self._last_verify,
+                                                      step_times=self._step_times or None)
+                self._step_times = []
             except Exception as exc:
                 self._drafter_failed(exc, [s.request_id for s in drafting])
                 drafting = []
@@ -196,6 +203,10 @@ class SpecStep:
             version = draft.drafter_version if result.num_drafted else None
             emitted = seq.apply(result, drafter_version=version, drafter_skipped=seq.request_id in skipped)
             outcomes.append(StepOutcome(seq, draft, result, emitted))
+        colocated = self.drafter is not None and self.drafter.mode == "direct"
+        if colocated and len(self._step_times) < STEP_TIMES_MAX:
+            seconds = time.perf_counter() - t0 - results[0].verify_seconds
+            self._step_times.append((len(live), any(d.tokens for d in drafts), bool(proposed), seconds))
         return outcomes
 
     async def release(self, request_ids: list[str]) -> None:

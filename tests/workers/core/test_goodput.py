@@ -166,3 +166,49 @@ def test_a_ragged_batch_pays_the_fixed_cost_of_going_ragged() -> None:
     free_ragged = StepCostModel(CostProfile(verify=verify, pad_weight=0.0))
     assert GoodputController(free_ragged).plan(lone).depths[0] == 1
     assert GoodputController(model).plan(lone).depths == [0, 0, 0, 0]
+
+
+def gpu_like_profile() -> CostProfile:
+    """A short step whose forward barely grows with drafted tokens (an H100 at batch 8: ~6 ms)."""
+    return CostProfile(verify={b: [0.006 + 0.0002 * n for n in range(N_MAX)] for b in BATCHES},
+                       draft={b: 0.0 for b in BATCHES})
+
+
+def test_host_work_of_drafting_steps_turns_drafting_off() -> None:
+    costs = StepCostModel(gpu_like_profile())
+    free = [Slot(Acceptance([0.6], 8), max_depth=8, free=True) for _ in range(4)]
+    assert GoodputController(costs).plan(free).depths != [0] * 4       # drafting looks free
+    for _ in range(5):
+        costs.observe_host(4, 0.014, drafted=True)                       # measured: +14 ms per drafting step
+        costs.observe_host(4, 0.001, drafted=False)
+    assert costs.host_seconds(4) == pytest.approx(0.013, abs=0.002)
+    plan = GoodputController(costs).plan(free)
+    assert plan.depths == [0] * 4
+    assert plan.goodput == pytest.approx(4 / costs.verify_seconds(4, 1))
+
+
+def test_a_fixed_host_cost_is_paid_by_a_deep_draft_that_one_token_could_not_pay() -> None:
+    # One more token (+0.9) never pays 6 ms of host work on a 6 ms step; eight likely tokens do.
+    costs = StepCostModel(gpu_like_profile())
+    costs.observe_host(4, 0.006, drafted=True)
+    sure = Slot(Acceptance([0.97], 8), max_depth=8, free=True)
+    unsure = [Slot(Acceptance([0.05], 8), max_depth=8, free=True) for _ in range(3)]
+    controller, plain = GoodputController(costs), 4 / costs.verify_seconds(4, 1)
+    assert controller.evaluate([sure, *unsure], [1, 0, 0, 0], [1] * 4).goodput < plain
+    plan = controller.plan([sure, *unsure])
+    assert plan.depths[0] >= 6
+    assert plan.goodput > plain
+
+
+def test_host_figure_drifts_back_while_nothing_drafts_and_climbs_fast_when_drafting_is_slow() -> None:
+    costs = StepCostModel(gpu_like_profile())
+    costs.observe_host(4, 0.020, drafted=True)          # one slow moment
+    costs.observe_host(4, 0.001, drafted=False)
+    slow = costs.host_seconds(4)
+    for _ in range(100):
+        costs.observe_host(4, 0.001, drafted=False)
+    assert costs.host_seconds(4) < slow / 4              # drafting gets tried again
+    retried = costs.host_seconds(4)
+    costs.observe_host(4, 0.020, drafted=True)           # and was slow again: most of the way back
+    assert costs.host_seconds(4) > retried + 0.4 * (0.019 - retried)
+    assert StepCostModel(gpu_like_profile()).host_seconds(4) == 0.0   # nothing measured: nothing charged

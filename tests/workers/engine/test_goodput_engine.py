@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from configs import load_config
@@ -75,6 +77,41 @@ def test_sampled_requests_finish_and_free_slots(cfg, target):
     assert [len(o) for o in outs] == [32] * len(PROMPTS)
     assert target.free_slots() == cfg.target.max_slots
 
+
+@pytest.mark.parametrize("host_seconds", [0.0, 0.1])
+def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch, host_seconds):
+    """A GPU step is short, and what a drafting step costs the host beyond its forwards can outweigh
+    what it saves (H100, batch 8: 0.38x target-only). Simulated here: each drafting step sleeps
+    host_seconds, far more than a tiny-model step. Suffix drafts of repeated prompts cost no drafter
+    forward, so only the measured host cost can stop them."""
+    cfg.drafter.kind = "suffix"
+    cfg.drafter.suffix_with_model = False
+    drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
+    engine = SpecEngine(target, drafter)
+    spec = SpecParams(gamma=4, policy="goodput")
+    base = _run(SpecEngine(target), SpecParams(enabled=False))
+    assert _run(engine, spec) == base               # the global index now holds every output
+    propose = drafter.propose
+
+    def slow_propose(items, **kw):
+        drafts = propose(items, **kw)
+        if any(d.tokens for d in drafts):
+            time.sleep(host_seconds)
+        return drafts
+
+    monkeypatch.setattr(drafter, "propose", slow_propose)
+    reqs = [NewRequest(f"again{i}", p, GREEDY, 32, spec) for i, p in enumerate(PROMPTS)]
+    seqs = engine.generate(reqs, ignore_eos=True)
+    assert [s.output for s in seqs] == base
+    steps = sum(s.stats.steps for s in seqs)
+    drafting = sum(1 for s in seqs for g in s.stats.gamma_history if g > 0)
+    if host_seconds:
+        # a few drafting steps measure it (and drafting is retried now and then), the rest do not draft
+        assert drafting <= steps // 4, (drafting, steps)
+    else:
+        assert drafter.costs.host_seconds(len(PROMPTS)) < 0.05
+        assert drafting >= steps // 2, (drafting, steps)
+    assert target.free_slots() == cfg.target.max_slots
 
 
 def test_pad_weight_from_a_ragged_forward() -> None:
