@@ -45,7 +45,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-HOST_DRIFT = 0.02   # per step without drafts: the drafting host figure's pull toward the plain one
+HOST_DRIFT = 0.005  # per step without drafts: the drafting host figure's pull toward the plain one
 HOST_BETA_UP = 0.5  # EMA factor of a drafting step's host seconds above the current figure
 
 
@@ -109,6 +109,7 @@ class StepCostModel:
         # batch bucket -> host seconds of a step that drafted / drafted nothing (EMA; see observe_host)
         self.host_draft: dict[int, float] = {}
         self.host_plain: dict[int, float] = {}
+        self._host_last: dict[int, float] = {}     # the latest drafting step's seconds, per bucket
         self.beta = beta
 
     def _verify_row(self, b: int, n: float) -> float:
@@ -146,20 +147,27 @@ class StepCostModel:
         """A measured step over b requests: its wall time less its verify and priced drafter forwards.
 
         Steps that draft and steps that do not are kept apart (nearest profiled batch size); their
-        difference is what drafting costs the host. While nothing drafts, the drafting figure drifts
-        toward the plain one (HOST_DRIFT per step), so a figure taken in a slow moment cannot stop
-        drafting for good: drafting is tried again and measured again."""
+        difference is what drafting costs the host. A drafting step counts with the lesser of its figure
+        and the previous drafting step's, so one slow moment (the OS, a collection) cannot stop drafting,
+        two in a row can; rising figures weigh HOST_BETA_UP. While nothing drafts, the drafting figure
+        drifts toward the plain one (HOST_DRIFT per step), so drafting is tried again now and then (a
+        retry that is still slow sends the figure most of the way back)."""
         if b <= 0 or seconds < 0:
             return
         near = min(self.batches, key=lambda x: abs(math.log(x) - math.log(b)))
-        table = self.host_draft if drafted else self.host_plain
-        old = table.get(near)
-        # a drafting step that cost more than thought weighs more: after a retry the figure must climb back
-        # before drifting lets drafting be tried again
-        beta = HOST_BETA_UP if drafted and old is not None and seconds > old else self.beta
-        table[near] = seconds if old is None else (1 - beta) * old + beta * seconds
-        if not drafted and near in self.host_draft:
-            self.host_draft[near] -= HOST_DRIFT * (self.host_draft[near] - table[near])
+        if not drafted:
+            old = self.host_plain.get(near)
+            self.host_plain[near] = seconds if old is None else (1 - self.beta) * old + self.beta * seconds
+            if near in self.host_draft:
+                self.host_draft[near] -= HOST_DRIFT * (self.host_draft[near] - self.host_plain[near])
+            return
+        previous, self._host_last[near] = self._host_last.get(near), seconds
+        if previous is None:
+            return
+        seconds = min(seconds, previous)
+        old = self.host_draft.get(near)
+        beta = HOST_BETA_UP if old is not None and seconds > old else self.beta
+        self.host_draft[near] = seconds if old is None else (1 - beta) * old + beta * seconds
 
     def step_seconds(
         self,

@@ -78,7 +78,7 @@ def test_sampled_requests_finish_and_free_slots(cfg, target):
     assert target.free_slots() == cfg.target.max_slots
 
 
-@pytest.mark.parametrize("host_seconds", [0.0, 0.1])
+@pytest.mark.parametrize("host_seconds", [0.0, 0.2])
 def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch, host_seconds):
     """A GPU step is short, and what a drafting step costs the host beyond its forwards can outweigh
     what it saves (H100, batch 8: 0.38x target-only). Simulated here: each drafting step sleeps
@@ -91,6 +91,11 @@ def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch
     spec = SpecParams(gamma=4, policy="goodput")
     base = _run(SpecEngine(target), SpecParams(enabled=False))
     assert _run(engine, spec) == base               # the global index now holds every output
+    # forwards whose cost barely grows with drafted tokens (not this machine's start-up profile, which a
+    # loaded machine skews): drafting pays, unless its host work is counted
+    flat = {b: [0.003 + 0.0001 * n for n in range(1 + cfg.spec.gamma_max)] for b in (1, 4)}
+    drafter.set_cost_profile(flat, draft={1: 0.0, 4: 0.0})
+    drafter.costs.beta = 0.0        # and kept: measured forwards do not move it (HOST_BETA_UP still applies)
     propose = drafter.propose
 
     def slow_propose(items, **kw):
@@ -106,10 +111,11 @@ def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch
     steps = sum(s.stats.steps for s in seqs)
     drafting = sum(1 for s in seqs for g in s.stats.gamma_history if g > 0)
     if host_seconds:
-        # a few drafting steps measure it (and drafting is retried now and then), the rest do not draft
-        assert drafting <= steps // 4, (drafting, steps)
+        # a few drafting steps measure it (two in a row), the rest do not draft
+        assert max(drafter.costs.host_draft.values()) > host_seconds / 4
+        assert drafting <= steps // 3, (drafting, steps)
     else:
-        assert drafter.costs.host_seconds(len(PROMPTS)) < 0.05
+        assert drafter.costs.host_seconds(len(PROMPTS)) < 0.02
         assert drafting >= steps // 2, (drafting, steps)
     assert target.free_slots() == cfg.target.max_slots
 
