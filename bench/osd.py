@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import sys
 import tempfile
@@ -30,6 +31,9 @@ from typing import Any
 from bench.report import save_figure
 from bench.serve import ServerProcess
 from cluster.client import AsyncSpecdClient
+from cluster.online import SWAP_POLL_S
+
+SWAP_DELAY_S = SWAP_POLL_S + 1.0   # a published version serves within the server's poll and a load
 
 DOMAINS = ("gsm8k", "humaneval")
 
@@ -105,6 +109,7 @@ async def run_stream(
                 "accepted": accepted,
                 "alpha": accepted / drafted if drafted else 0.0,
                 "versions": list(usage.get("drafter_versions", [])),
+                "done_at": time.time(),
             }
             bar.update(1)
 
@@ -214,13 +219,49 @@ def _ratio(part: int, whole: int) -> float:
     return round(part / whole, 4) if whole else 0.0
 
 
-def serving_at_domain_end(rows: list[dict | None]) -> dict[str, str]:
-    """The drafter version that drafted the last request of each domain's stream segment."""
-    out: dict[str, str] = {}
+def serving_at_domain_end(rows: list[dict | None], store: Path | None = None,
+                          swap_delay_s: float = 0.0) -> dict[str, str]:
+    """The drafter version serving when each domain's stream segment ended.
+
+    With the trainer's `store`: the newest version published at least `swap_delay_s` before the
+    segment's last request finished (the server polls the store and applies a version between steps).
+    Without it, or when the store's CURRENT is not its newest version (a rollback, whose time the store
+    does not keep): the version that drafted the segment's last drafted request. That one alone
+    understates: where the goodput policy stopped drafting with the model drafter, the last version to
+    draft may have been replaced long before (2026-11-25: HumanEval's `after` was read as online-0007,
+    which drafted last at request ~609, while online-0012 had served since about request 780)."""
+    drafted: dict[str, str] = {}
+    ended: dict[str, float] = {}
     for r in rows:
         if r and r.get("versions"):
-            out[r["domain"]] = r["versions"][-1]
+            drafted[r["domain"]] = r["versions"][-1]
+        if r and "done_at" in r:
+            ended[r["domain"]] = max(ended.get(r["domain"], 0.0), r["done_at"])
+    from workers.drafters.versions import read_current
+
+    published = _published_times(store) if store is not None else []
+    if not published or published[-1][1] != read_current(store):
+        return drafted
+    out = dict(drafted)
+    for domain, end in ended.items():
+        live = [v for t, v in published if t <= end - swap_delay_s]
+        if live:
+            out[domain] = live[-1]
     return out
+
+
+def _published_times(store: Path) -> list[tuple[float, str]]:
+    """(publish time, version) of every version in the store, oldest first (`created` has whole seconds:
+    each is taken as published at the end of its second)."""
+    from workers.drafters.versions import VERSIONS_DIR, read_meta
+
+    out = []
+    root = Path(store) / VERSIONS_DIR
+    for vdir in root.iterdir() if root.is_dir() else []:
+        created = read_meta(vdir).get("created") if vdir.is_dir() and not vdir.name.startswith(".") else None
+        if created:
+            out.append((dt.datetime.fromisoformat(created).timestamp() + 1.0, vdir.name))
+    return sorted(out)
 
 
 def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> str:
@@ -336,7 +377,7 @@ def run_bench(args: argparse.Namespace) -> int:
         on_store,
         args.heldout,
         args.max_new_tokens,
-        serving_at_domain_end(runs["on"]["requests"]) if "on" in runs else None,
+        serving_at_domain_end(runs["on"]["requests"], on_store, SWAP_DELAY_S) if "on" in runs else None,
         gamma=args.gamma,
     )
     reference = reference_drafter(args, drafter, cfg.cache_dir)

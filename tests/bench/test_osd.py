@@ -46,6 +46,39 @@ def test_the_version_serving_when_each_domain_ended_is_its_last_requests_newest(
     assert serving_at_domain_end(rows) == {"gsm8k": "b", "humaneval": "c"}
 
 
+def _store(tmp_path, published: dict[str, float], current: str):
+    import datetime as dt
+    import json
+
+    from workers.drafters.versions import META_FILE, VERSIONS_DIR, write_current
+
+    for version, t in published.items():
+        vdir = tmp_path / VERSIONS_DIR / version
+        vdir.mkdir(parents=True)
+        created = dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="seconds")
+        (vdir / META_FILE).write_text(json.dumps({"version": version, "created": created}))
+    write_current(tmp_path, current)
+    return tmp_path
+
+
+def test_the_version_serving_at_a_domains_end_is_the_newest_published_before_it(tmp_path) -> None:
+    # the model drafter stopped drafting HumanEval after request 3 (version "b"), but the trainer went on
+    # publishing: "c" had served for a while when the segment ended; "d" came too late to serve
+    rows = [{"index": 0, "domain": "gsm8k", "versions": ["a"], "done_at": 1000.0},
+            {"index": 1, "domain": "gsm8k", "versions": ["a"], "done_at": 1010.0},
+            {"index": 2, "domain": "humaneval", "versions": ["b"], "done_at": 1020.0},
+            {"index": 3, "domain": "humaneval", "versions": [], "done_at": 1100.0}]
+    store = _store(tmp_path, {"a": 900.0, "b": 1005.0, "c": 1050.0, "d": 1099.0}, current="d")
+    assert serving_at_domain_end(rows, store, swap_delay_s=3.0) == {"gsm8k": "b", "humaneval": "c"}
+    assert serving_at_domain_end(rows) == {"gsm8k": "a", "humaneval": "b"}      # no store: what drafted
+
+
+def test_after_a_rollback_the_version_serving_is_what_drafted_last(tmp_path) -> None:
+    rows = [{"index": 0, "domain": "gsm8k", "versions": ["a"], "done_at": 1000.0}]
+    store = _store(tmp_path, {"a": 900.0, "b": 950.0}, current="a")             # b was rolled back
+    assert serving_at_domain_end(rows, store, swap_delay_s=3.0) == {"gsm8k": "a"}
+
+
 def test_the_stream_puts_prompts_the_quick_drafter_was_trained_on_last() -> None:
     seen = bootstrap_prompts(from_offline=False)
     assert 0 < len(seen) < 100
