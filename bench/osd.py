@@ -250,6 +250,23 @@ def serving_at_domain_end(rows: list[dict | None], store: Path | None = None,
     return out
 
 
+def published_events(rows: list[dict | None], store: Path, swap_delay_s: float) -> list[dict]:
+    """Each version the trainer published during the stream, at the first request that finished at least
+    `swap_delay_s` after it was published: when it served, whether or not the model drafter then drafted
+    (`swap_events` sees only versions that drafted)."""
+    from workers.drafters.versions import VERSIONS_DIR, read_meta
+
+    done = sorted((r["done_at"], r["index"]) for r in rows if r and "done_at" in r)
+    events = []
+    for t, version in _published_times(store):
+        if read_meta(Path(store) / VERSIONS_DIR / version).get("parent_version") is None:
+            continue                                # the starting drafter, published at start-up
+        later = [i for d, i in done if d >= t + swap_delay_s]
+        if later:
+            events.append({"index": later[0], "version": version})
+    return events
+
+
 def _published_times(store: Path) -> list[tuple[float, str]]:
     """(publish time, version) of every version in the store, oldest first (`created` has whole seconds:
     each is taken as published at the end of its second)."""
@@ -315,8 +332,13 @@ def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Pat
         ]
         line = ax.plot(xs, smooth, label=f"trainer {name} (moving mean of {window})")[0]
         ax.scatter(xs, ys, s=4, alpha=0.25, color=line.get_color())
+        # a version's first drafting request; where none drafted, when it was published and served
+        drafted_by = {ev["version"] for ev in run["swaps"]}
         for ev in run["swaps"]:
             ax.axvline(ev["index"], color=line.get_color(), alpha=0.4, linestyle=":")
+        for ev in run.get("published", []):
+            if ev["version"] not in drafted_by:
+                ax.axvline(ev["index"], color=line.get_color(), alpha=0.25, linestyle="-.")
     ax.axvline(shift, color="black", linestyle="--", label="GSM8K -> HumanEval")
     ax.set_xlabel("request index")
     ax.set_ylabel("acceptance rate α (accepted / drafted)")
@@ -371,6 +393,8 @@ def run_bench(args: argparse.Namespace) -> int:
         finally:
             server.stop()
         runs[mode]["store"] = str(store)
+        if mode == "on":
+            runs[mode]["published"] = published_events(runs[mode]["requests"], store, SWAP_DELAY_S)
     on_store = Path(runs["on"]["store"]) if "on" in runs else None
     heldout = heldout_acceptance(
         [*overrides, f"drafter.path={drafter}", "drafter.kind=model"],
@@ -393,7 +417,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"held-out acceptance: {json.dumps(heldout)}")
     print(
         f"throughput tok/s: {tput}; failed requests: {failed}; "
-        f"swaps (trainer on): {len(runs.get('on', {}).get('swaps', []))}"
+        f"versions published during the stream (trainer on): {len(runs.get('on', {}).get('published', []))}, "
+        f"of which seen drafting: {len(runs.get('on', {}).get('swaps', []))}"
     )
     if runs:
         plot = write_plot(

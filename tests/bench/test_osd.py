@@ -7,6 +7,7 @@ import argparse
 from bench.osd import (
     DOMAINS,
     bootstrap_prompts,
+    published_events,
     reference_drafter,
     serving_at_domain_end,
     stream_prompts,
@@ -71,6 +72,20 @@ def test_the_version_serving_at_a_domains_end_is_the_newest_published_before_it(
     store = _store(tmp_path, {"a": 900.0, "b": 1005.0, "c": 1050.0, "d": 1099.0}, current="d")
     assert serving_at_domain_end(rows, store, swap_delay_s=3.0) == {"gsm8k": "b", "humaneval": "c"}
     assert serving_at_domain_end(rows) == {"gsm8k": "a", "humaneval": "b"}      # no store: what drafted
+
+
+def test_published_events_mark_when_each_trained_version_served(tmp_path) -> None:
+    import json
+
+    from workers.drafters.versions import META_FILE, VERSIONS_DIR
+
+    rows = [{"index": i, "domain": "gsm8k", "versions": [], "done_at": 1000.0 + 10 * i} for i in range(6)]
+    store = _store(tmp_path, {"boot": 900.0, "v2": 1012.0, "v3": 1200.0}, current="v2")
+    for v, parent in (("boot", None), ("v2", "boot"), ("v3", "v2")):
+        meta = tmp_path / VERSIONS_DIR / v / META_FILE
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "parent_version": parent}))
+    # v2 published at 1012 (+1 s for whole seconds, +3 s delay): first served by the request done at 1020
+    assert published_events(rows, store, swap_delay_s=3.0) == [{"index": 2, "version": "v2"}]
 
 
 def test_after_a_rollback_the_version_serving_is_what_drafted_last(tmp_path) -> None:
