@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -378,6 +379,10 @@ def run_bench(args: argparse.Namespace) -> int:
     runs: dict[str, dict] = {}
     for mode in [m for m in args.modes.split(",") if m]:
         store = work / f"store-{mode}"
+        if store.exists():
+            # the trainer resumes from a store's CURRENT: an earlier run's would replace the starting drafter
+            print(f"removing {store} (an earlier run's version store)", flush=True)
+            shutil.rmtree(store)
         server = ServerProcess(
             # every version stays on disk, so the one serving when a domain ended can be evaluated
             [*base, f"trainer.enabled={'true' if mode == 'on' else 'false'}", f"trainer.out_dir={store}",
