@@ -265,6 +265,11 @@ class TrainerConfig:
     # all verified positions, or "rejected": weighted toward rejections
     positions: TrainPositions = TrainPositions.all
     accepted_weight: float = 0.2        # positions=rejected: weight of positions whose draft was accepted
+    # > 0: the prompt's positions are trained on too, with this weight (the teacher forward that labels
+    # the output already runs over the prompt; records that carry the target's top-k, the vLLM backend's,
+    # then get a teacher forward too); the gate scores output positions only. 0.3 and 1.0 both beat 0 on
+    # a replayed stream (README "Online adaptation")
+    prompt_weight: float = 0.3
     teacher_topk: int = 32              # the teacher forward keeps the target's top-k per position
     # lr, warm-up, steps and round size chosen with scripts/osd_replay.py on a recorded 800-request stream
     # (README "Online adaptation"): 24 steps per 32 new records at 3e-4 learned about twice what 8 steps

@@ -174,7 +174,7 @@ class OnlineTrainer:
     def _ingest(self, entry_id: str, record) -> None:
         example = make_example(entry_id, record, self.teacher, positions=self.cfg.positions,
                                accepted_weight=self.cfg.accepted_weight, need_hidden=self.serving.hidden,
-                               chain=self.cfg.gate_gamma)
+                               chain=self.cfg.gate_gamma, prompt_weight=self.cfg.prompt_weight)
         self.stats.records_seen += 1
         if example is None:
             return

@@ -9,7 +9,7 @@ unless hidden states are needed.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,12 +26,13 @@ FEATURE_PROJ = "model.feature_proj.weight"
 
 @dataclass
 class Example:
-    """One served request, teacher-labelled. Labels are the output positions: label j is the target's
-    distribution of output token j, predicted at sequence index first_label + j."""
+    """One served request, teacher-labelled. Label j is the target's distribution of the token at
+    sequence index first_label + j + 1, predicted at index first_label + j. The first n_prompt_labels
+    labels are prompt positions (trainer.prompt_weight > 0), the rest the output's."""
 
     entry_id: str
     token_ids: torch.Tensor  # [L] int64, prompt + output
-    first_label: int  # len(prompt) - 1
+    first_label: int  # len(prompt) - 1 - n_prompt_labels
     topk_logprobs: torch.Tensor  # [n, k] float32, n = len(output)
     topk_ids: torch.Tensor  # [n, k] int64
     weights: torch.Tensor  # [n] position weights (losses.position_weights)
@@ -40,6 +41,7 @@ class Example:
     states: torch.Tensor | None = None  # [L, H] bfloat16 target final hidden states
     domain: str = ""
     versions: list[tuple[str, int, int]] = field(default_factory=list)  # (version, drafted, accepted)
+    n_prompt_labels: int = 0
 
     @property
     def n_labels(self) -> int:
@@ -124,9 +126,12 @@ def draft_positions(
 
 
 def make_example(entry_id: str, record: ReplayRecord, teacher: TargetTeacher | None, *, positions: str,
-                 accepted_weight: float, need_hidden: bool, chain: int = 4) -> Example | None:
+                 accepted_weight: float, need_hidden: bool, chain: int = 4,
+                 prompt_weight: float = 0.0) -> Example | None:
     """None for a record with nothing to learn from (no output beyond the first token). chain: the
-    gate's γ, the length of the chains labels no drafted step covered are scored in (draft_positions)."""
+    gate's γ, the length of the chains labels no drafted step covered are scored in (draft_positions).
+    prompt_weight > 0 also labels the prompt's positions (the same teacher forward scores them) with
+    that weight; the gate never scores them."""
     prompt, output = list(record.prompt_token_ids), list(record.output_token_ids)
     if len(output) < 2 or not prompt:
         return None
@@ -134,7 +139,9 @@ def make_example(entry_id: str, record: ReplayRecord, teacher: TargetTeacher | N
     first = len(prompt) - 1
     steps = record_steps(record)
     n = len(output)
-    if record.HasField("teacher") and not need_hidden and record.teacher.first_output_position == 0:
+    with_prompt = prompt_weight > 0 and teacher is not None
+    if record.HasField("teacher") and not need_hidden and not with_prompt \
+            and record.teacher.first_output_position == 0:
         lp = tensor_to_torch(record.teacher.logprobs).float()[:n]
         ix = tensor_to_torch(record.teacher.ids).long()[:n]
         states = None
@@ -143,15 +150,21 @@ def make_example(entry_id: str, record: ReplayRecord, teacher: TargetTeacher | N
             raise ValueError("records without the target's top-k need a TargetTeacher")
         if len(tokens) > teacher.max_seq_len:
             return None
-        lp, ix, states = teacher.label(tokens, first, need_hidden)
-    n = min(n, lp.shape[0])
+        lp, ix, states = teacher.label(tokens, 0 if with_prompt else first, need_hidden)
+    n_prompt = first if with_prompt else 0
+    n = min(n, lp.shape[0] - n_prompt)
     step_position, in_step = draft_positions(n, steps, chain)
     weights = position_weights(n, [(o, d, a) for o, d, a, _ in steps], positions, accepted_weight)[:n]
+    if n_prompt:
+        # Prompt labels read states as stale as undrafted output's would be (chains of `chain`).
+        step_position = torch.cat([torch.arange(n_prompt) % chain, step_position])
+        in_step = torch.cat([torch.zeros(n_prompt, dtype=torch.bool), in_step])
+        weights = torch.cat([torch.full((n_prompt,), float(prompt_weight)), weights])
     return Example(
-        entry_id=entry_id, token_ids=torch.tensor(tokens[: first + 1 + n]), first_label=first,
-        topk_logprobs=lp[:n], topk_ids=ix[:n], weights=weights, step_position=step_position,
-        in_step=in_step, states=states, domain=record.domain,
-        versions=[(v, d, a) for _, d, a, v in steps],
+        entry_id=entry_id, token_ids=torch.tensor(tokens[: first + 1 + n]), first_label=first - n_prompt,
+        topk_logprobs=lp[: n_prompt + n], topk_ids=ix[: n_prompt + n], weights=weights,
+        step_position=step_position, in_step=in_step, states=states, domain=record.domain,
+        versions=[(v, d, a) for _, d, a, v in steps], n_prompt_labels=n_prompt,
     )
 
 
@@ -219,6 +232,19 @@ class Student:
                 feats[b, :n_tok] = input_features(e.states.float(), s)
         h = self.module.hidden_states(ids, feats, stale) if self.hidden else self.base.hidden_states(ids)
         return self.base.lm_head(h[mask])
+
+
+def with_prompt_weight(e: Example, weight: float) -> Example:
+    """`e` with its prompt labels weighted `weight`, or dropped at 0 (to compare settings on one
+    labelled stream, scripts/osd_replay.py)."""
+    k = e.n_prompt_labels
+    if not k:
+        return e
+    if weight > 0:
+        return replace(e, weights=torch.cat([torch.full((k,), float(weight)), e.weights[k:]]))
+    return replace(e, first_label=e.first_label + k, topk_logprobs=e.topk_logprobs[k:],
+                   topk_ids=e.topk_ids[k:], weights=e.weights[k:], step_position=e.step_position[k:],
+                   in_step=e.in_step[k:], n_prompt_labels=0)
 
 
 def is_held_out(entry_id: str, every: int) -> bool:

@@ -29,7 +29,13 @@ from tqdm import tqdm
 from configs import load_config
 from drafter_trainer.gate import score
 from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import Example, TargetTeacher, is_held_out, make_example
+from drafter_trainer.online_data import (
+    Example,
+    TargetTeacher,
+    is_held_out,
+    make_example,
+    with_prompt_weight,
+)
 from drafter_trainer.replay_source import RECORD_FIELD
 from proto.replay_codec import decode_record
 from workers.models.loader import ensure_target_model
@@ -56,15 +62,32 @@ def label_all(records, teacher, cfg, need_hidden: bool):
     out = []
     for eid, rec in tqdm(records, desc="teacher labels", unit="rec"):
         ex = make_example(eid, rec, teacher, positions=cfg.positions, accepted_weight=cfg.accepted_weight,
-                          need_hidden=need_hidden, chain=cfg.gate_gamma)
+                          need_hidden=need_hidden, chain=cfg.gate_gamma, prompt_weight=1.0)
         if ex is not None:
             out.append(ex)
+    return out
+
+
+def add_prompt_labels(examples: list[Example], teacher) -> list[Example]:
+    """Label the prompt positions of examples labelled without them (label files of earlier runs)."""
+    out = []
+    for e in tqdm(examples, desc="prompt labels", unit="rec"):
+        if e.n_prompt_labels == 0 and e.first_label > 0:
+            lp, ix, _ = teacher.label(e.token_ids.tolist(), 0, False)
+            k = e.first_label
+            e = replace(e, first_label=0, topk_logprobs=torch.cat([lp[:k], e.topk_logprobs]),
+                        topk_ids=torch.cat([ix[:k], e.topk_ids]),
+                        weights=torch.cat([torch.ones(k), e.weights]),
+                        step_position=torch.cat([torch.arange(k) % 4, e.step_position]),
+                        in_step=torch.cat([torch.zeros(k, dtype=torch.bool), e.in_step]), n_prompt_labels=k)
+        out.append(e)
     return out
 
 
 def replay(examples, setting: list[str], base_overrides: list[str], target_dir: str, drafter: str,
            teacher) -> list[dict]:
     cfg = load_config([*base_overrides, *setting]).trainer
+    examples = [with_prompt_weight(e, cfg.prompt_weight) for e in examples]
     holdout = {}
     for e in examples:
         if is_held_out(e.entry_id, cfg.holdout_every):
@@ -116,6 +139,9 @@ def main() -> None:
     labels = Path(args.labels) if args.labels else None
     if labels and labels.is_file():
         examples = [Example(**e) for e in torch.load(labels, weights_only=True)]
+        if any(e.n_prompt_labels == 0 for e in examples):
+            examples = add_prompt_labels(examples, teacher)
+            torch.save([dict(e.__dict__) for e in examples], labels)
     else:
         records = load_records(args.redis, args.stream)
         print(f"{len(records)} records")

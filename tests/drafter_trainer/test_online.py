@@ -14,7 +14,7 @@ from cluster.redis_server import ManagedRedis
 from configs.schema import TrainerConfig
 from drafter_trainer.gate import LiveMonitor, score
 from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import TargetTeacher, draft_positions, make_example
+from drafter_trainer.online_data import TargetTeacher, draft_positions, make_example, with_prompt_weight
 from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
 from proto.replay_codec import RecordBuilder, encode_record
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
@@ -202,3 +202,32 @@ def test_labels_no_drafted_step_covered_are_scored_in_chains_of_the_gate_gamma()
     position, scored = draft_positions(7, [(o, 0, 0, "v1") for o in range(1, 7)], chain=4)
     assert position.tolist() == [0, 0, 1, 2, 3, 0, 1]
     assert scored.tolist() == [False] + [True] * 6
+
+
+def test_prompt_labels_add_the_prompt_positions_and_leave_the_output_and_the_gate_alone(
+        tmp_path, tiny_llama_dir, redis_server, teacher, continuations):
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, hidden=True, stream="s-prompt")
+    version = trainer.serving_version
+    plain, with_prompt = [], []
+    for i, (p, o) in enumerate(continuations[:4]):
+        record = make_record(i, p, o, version)
+        kw = dict(positions="all", accepted_weight=0.2, need_hidden=True)
+        plain.append(make_example(f"{i}-0", record, teacher, **kw))
+        with_prompt.append(make_example(f"{i}-0", record, teacher, prompt_weight=0.5, **kw))
+    for e, w, (p, _) in zip(plain, with_prompt, continuations[:4], strict=True):
+        k = len(p) - 1
+        assert w.n_prompt_labels == k and w.first_label == 0 and w.n_labels == e.n_labels + k
+        assert torch.equal(w.topk_ids[k:], e.topk_ids)
+        assert torch.allclose(w.topk_logprobs[k:], e.topk_logprobs, atol=1e-5)
+        assert torch.equal(w.weights, torch.cat([torch.full((k,), 0.5), e.weights]))
+        assert not w.in_step[:k].any() and torch.equal(w.in_step[k:], e.in_step)
+        # the prompt label at index j is the target's distribution of prompt token j + 1
+        _, ids, _ = teacher.label(list(p), 0, False)
+        assert torch.equal(w.topk_ids[: k], ids[:k])
+        dropped = with_prompt_weight(w, 0.0)
+        assert dropped.first_label == e.first_label and torch.equal(dropped.topk_ids, e.topk_ids)
+        assert torch.equal(with_prompt_weight(w, 2.0).weights[:k], torch.full((k,), 2.0))
+    # the gate scores output positions only: the same score with or without prompt labels
+    assert score(trainer.serving, with_prompt, 3).as_dict() == score(trainer.serving, plain, 3).as_dict()
+    losses = trainer.train_steps(5, with_prompt)
+    assert all(torch.isfinite(torch.tensor(losses)))
