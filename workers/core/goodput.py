@@ -110,6 +110,7 @@ class StepCostModel:
         self.host_draft: dict[int, float] = {}
         self.host_plain: dict[int, float] = {}
         self._host_last: dict[int, float] = {}     # the latest drafting step's seconds, per bucket
+        self._verify_last: dict[tuple[int, int], float] = {}  # (batch, tokens cell) -> latest ratio
         self.beta = beta
 
     def _verify_row(self, b: int, n: float) -> float:
@@ -210,6 +211,12 @@ class StepCostModel:
         near = min(self.batches, key=lambda x: abs(math.log(x) - math.log(b)))
         row = self.verify_table[near]
         k = min(max(int(round(n)) - 1, 0), len(row) - 1)
+        # A cell rises only as far as the lesser of its last two measurements: one slow forward (the OS,
+        # a collection) priced a drafting shape out, and a shape no plan picks is never measured again to
+        # bring it back (the same rule as observe_host).
+        previous, self._verify_last[(near, k)] = self._verify_last.get((near, k), 1.0), ratio
+        if ratio > 1.0:
+            ratio = max(min(ratio, previous), 1.0)
         row[k] = (1 - self.beta) * row[k] + self.beta * row[k] * ratio
 
     def observe_draft(self, b: int, depth: int, seconds: float) -> None:

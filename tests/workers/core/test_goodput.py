@@ -219,3 +219,17 @@ def test_host_figure_ignores_one_slow_moment_drifts_back_when_nothing_drafts_cli
     costs.observe_host(4, 0.020, drafted=True)           # and was slow again: most of the way back
     assert costs.host_seconds(4) > retried + 0.4 * (0.019 - retried)
     assert StepCostModel(gpu_like_profile()).host_seconds(4) == 0.0   # nothing measured: nothing charged
+
+
+def test_one_slow_verify_does_not_price_a_shape_out_two_in_a_row_do() -> None:
+    costs = StepCostModel(flat_profile(), beta=0.5)
+    before = costs.verify_seconds(4, 4)
+    costs.observe_verify([4, 4, 4, 4], 10 * before)  # one slow moment
+    assert costs.verify_seconds(4, 4) == pytest.approx(before)
+    costs.observe_verify([4, 4, 4, 4], before)  # then as profiled: nothing to undo
+    assert costs.verify_seconds(4, 4) == pytest.approx(before)
+    costs.observe_verify([4, 4, 4, 4], 3 * before)
+    costs.observe_verify([4, 4, 4, 4], 3 * before)  # slower twice in a row: real
+    assert costs.verify_seconds(4, 4) == pytest.approx(2 * before)  # EMA 0.5 of the lesser ratio (3)
+    costs.observe_verify([4, 4, 4, 4], 0.5 * costs.verify_seconds(4, 4))  # faster counts at once
+    assert costs.verify_seconds(4, 4) == pytest.approx(1.5 * before)
