@@ -75,9 +75,14 @@ def passes(candidate: GateScore, serving: GateScore, margin: float) -> bool:
 class LiveMonitor:
     """Acceptance per drafter version from live steps; decides rollbacks.
 
-    A version is rolled back to its parent when, over its last `window` steps, its acceptance rate is
-    below the parent's by more than `margin`; or at once after `collapse_steps` steps when its
-    acceptance is below `collapse_alpha` (mean accepted length near 1: the drafter collapsed)."""
+    A version is rolled back to its parent when, over at least `window` of its steps, its acceptance
+    rate is below what its parent achieved on the same traffic by more than `margin`; or at once after
+    `collapse_steps` steps when its acceptance is below `collapse_alpha` (mean accepted length near 1:
+    the drafter collapsed). "The same traffic": steps are kept per client domain tag, and the parent's
+    acceptance is taken per domain and weighted by the version's own drafted tokens there; domains the
+    parent never drafted are left out. Compared overall, a shift to harder traffic (GSM8K, then HumanEval
+    at half its acceptance) rolled back the version that happened to serve when it came, and with it the
+    trainer's progress (`specd bench osd`, 2026-11-25)."""
 
     def __init__(self, window: int = 200, margin: float = 0.05, collapse_steps: int = 50,
                  collapse_alpha: float = 0.05):
@@ -85,21 +90,23 @@ class LiveMonitor:
         self.margin = margin
         self.collapse_steps = collapse_steps
         self.collapse_alpha = collapse_alpha
-        self._steps: dict[str, deque[tuple[int, int]]] = {}
+        self._steps: dict[str, deque[tuple[int, int]]] = {}              # version -> (drafted, accepted)
+        self._by_domain: dict[tuple[str, str], deque[tuple[int, int]]] = {}  # (version, domain) -> ...
         self.totals: dict[str, list[int]] = {}   # version -> [steps, drafted, accepted]
 
-    def observe(self, version: str, drafted: int, accepted: int) -> None:
+    def observe(self, version: str, drafted: int, accepted: int, domain: str = "") -> None:
         if drafted <= 0:
             return
         self._steps.setdefault(version, deque(maxlen=self.window)).append((drafted, accepted))
+        self._by_domain.setdefault((version, domain), deque(maxlen=self.window)).append((drafted, accepted))
         t = self.totals.setdefault(version, [0, 0, 0])
         t[0] += 1
         t[1] += drafted
         t[2] += accepted
 
-    def acceptance(self, version: str) -> tuple[float, int]:
-        """(accepted / drafted over the window, steps in the window)."""
-        steps = self._steps.get(version)
+    def acceptance(self, version: str, domain: str | None = None) -> tuple[float, int]:
+        """(accepted / drafted over the window, steps in the window), over all domains or one."""
+        steps = self._steps.get(version) if domain is None else self._by_domain.get((version, domain))
         if not steps:
             return 0.0, 0
         drafted = sum(d for d, _ in steps)
@@ -112,8 +119,20 @@ class LiveMonitor:
         alpha, n = self.acceptance(version)
         if n >= self.collapse_steps and alpha < self.collapse_alpha:
             return f"collapse: acceptance {alpha:.3f} over {n} steps"
-        parent_alpha, parent_n = self.acceptance(parent)
-        if n >= self.window and parent_n >= min(self.window, self.collapse_steps) and \
-                alpha < parent_alpha - self.margin:
-            return f"acceptance {alpha:.3f} < parent's {parent_alpha:.3f} - {self.margin} over {n} steps"
+        steps = drafted = accepted = 0
+        expected = 0.0
+        for (v, domain), window in self._by_domain.items():
+            parent_alpha, parent_n = self.acceptance(parent, domain)
+            if v != version or parent_n < min(self.window, self.collapse_steps):
+                continue
+            d = sum(x for x, _ in window)
+            steps, drafted = steps + len(window), drafted + d
+            accepted += sum(a for _, a in window)
+            expected += d * parent_alpha
+        if steps < self.window:
+            return None
+        alpha, parent_alpha = accepted / drafted, expected / drafted
+        if alpha < parent_alpha - self.margin:
+            return (f"acceptance {alpha:.3f} < parent's {parent_alpha:.3f} on the same domains "
+                    f"- {self.margin} over {steps} steps")
         return None

@@ -150,7 +150,7 @@ class OnlineTrainer:
         first = next((v for _, drafted, _, v in steps if drafted > 0 and self._published(v)), None)
         for _, drafted, accepted, version in steps:
             if version == first:
-                self.monitor.observe(version, drafted, accepted)
+                self.monitor.observe(version, drafted, accepted, record.domain)
 
     def _published(self, version: str) -> bool:
         known = self._known_versions.get(version)

@@ -231,3 +231,22 @@ def test_prompt_labels_add_the_prompt_positions_and_leave_the_output_and_the_gat
     assert score(trainer.serving, with_prompt, 3).as_dict() == score(trainer.serving, plain, 3).as_dict()
     losses = trainer.train_steps(5, with_prompt)
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_live_monitor_compares_a_version_with_its_parent_on_the_same_domains() -> None:
+    m = LiveMonitor(window=100, margin=0.05, collapse_steps=50, collapse_alpha=0.05)
+    for _ in range(100):
+        m.observe("parent", 4, 2, "gsm8k")           # α 0.5
+        m.observe("parent", 4, 1, "chat")             # α 0.25
+    # a shift: the child serves mostly harder traffic the parent drafted less well, and a new domain
+    for _ in range(50):
+        m.observe("child", 4, 2, "gsm8k")             # as good as the parent there
+    for _ in range(150):
+        m.observe("child", 4, 1, "chat")              # as good as the parent there
+        m.observe("child", 10, 1, "humaneval")        # the parent never drafted it: not compared
+    assert m.acceptance("child")[0] < m.acceptance("parent")[0] - 0.05   # overall it looks worse ...
+    assert m.should_roll_back("child", "parent") is None                  # ... on the same traffic it is not
+    for _ in range(100):
+        m.observe("worse", 4, 1, "gsm8k")             # α 0.25 where the parent had 0.5
+        m.observe("worse", 4, 1, "humaneval")
+    assert "same domains" in m.should_roll_back("worse", "parent")
