@@ -47,6 +47,9 @@ from dataclasses import dataclass, field
 
 HOST_DRIFT = 0.005  # per step without drafts: the drafting host figure's pull toward the plain one
 HOST_BETA_UP = 0.5  # EMA factor of a drafting step's host seconds above the current figure
+# per measured verify: the pull of every other cell of its batch size (and of the drafter's figure)
+# toward the start-up profile's shape, scaled by what that verify measured
+PROFILE_DRIFT = 0.005
 
 
 def _interpolated(table: dict[int, float], x: float) -> float:
@@ -103,6 +106,7 @@ class StepCostModel:
         self.verify_table = {b: list(profile.verify[b]) for b in self.batches}
         self.draft_batches = sorted(profile.draft)
         self.draft_table = dict(profile.draft)
+        self.profile = profile
         self.pad_weight = profile.pad_weight if padded is None else float(padded)
         self.ragged_batches = sorted(profile.ragged)
         self.ragged_table = dict(profile.ragged)
@@ -111,6 +115,7 @@ class StepCostModel:
         self.host_plain: dict[int, float] = {}
         self._host_last: dict[int, float] = {}     # the latest drafting step's seconds, per bucket
         self._verify_last: dict[tuple[int, int], float] = {}  # (batch, tokens cell) -> latest ratio
+        self._draft_last: dict[int, float] = {}                 # batch -> latest seconds per level
         self.beta = beta
 
     def _verify_row(self, b: int, n: float) -> float:
@@ -218,6 +223,27 @@ class StepCostModel:
         if ratio > 1.0:
             ratio = max(min(ratio, previous), 1.0)
         row[k] = (1 - self.beta) * row[k] + self.beta * row[k] * ratio
+        self._drift_toward_profile(near, k)
+
+    def _drift_toward_profile(self, near: int, k: int) -> None:
+        """Pull the cells no step measures toward the profile's shape, scaled as cell k now measures.
+
+        Cells of shapes no plan picks are never measured: a load that slowed every forward for a while (the
+        online trainer's rounds beside serving) left drafting shapes priced high after it passed, and
+        the plain one-token forward, always measured, had come back. Each measured verify moves the other
+        cells of its batch size, and the drafter's figure, PROFILE_DRIFT of the way toward the profile
+        times cell k's measured-to-profiled ratio."""
+        base = self.profile.verify[near]
+        row = self.verify_table[near]
+        if base[k] <= 0:
+            return
+        scale = row[k] / base[k]
+        for j in range(len(row)):
+            if j != k:
+                row[j] += PROFILE_DRIFT * (base[j] * scale - row[j])
+        if self.draft_table:
+            d = min(self.draft_batches, key=lambda x: abs(math.log(x) - math.log(near)))
+            self.draft_table[d] += PROFILE_DRIFT * (self.profile.draft[d] * scale - self.draft_table[d])
 
     def observe_draft(self, b: int, depth: int, seconds: float) -> None:
         """A measured propose call: depth forwards over b rows."""
@@ -225,6 +251,10 @@ class StepCostModel:
             return
         near = min(self.draft_batches, key=lambda x: abs(math.log(x) - math.log(b)))
         per = seconds / depth
+        # as observe_verify: a rise counts only as far as the lesser of the last two measurements
+        previous, self._draft_last[near] = self._draft_last.get(near, self.draft_table[near]), per
+        if per > self.draft_table[near]:
+            per = max(min(per, previous), self.draft_table[near])
         self.draft_table[near] = (1 - self.beta) * self.draft_table[near] + self.beta * per
 
 

@@ -233,3 +233,30 @@ def test_one_slow_verify_does_not_price_a_shape_out_two_in_a_row_do() -> None:
     assert costs.verify_seconds(4, 4) == pytest.approx(2 * before)  # EMA 0.5 of the lesser ratio (3)
     costs.observe_verify([4, 4, 4, 4], 0.5 * costs.verify_seconds(4, 4))  # faster counts at once
     assert costs.verify_seconds(4, 4) == pytest.approx(1.5 * before)
+
+
+def test_shapes_no_plan_picks_drift_back_once_a_slow_spell_passes() -> None:
+    # a slow spell (another process busy beside serving): drafting shapes and the drafter measured 3x
+    costs = StepCostModel(flat_profile(), beta=0.5)
+    base4, base1, draft = costs.verify_seconds(4, 4), costs.verify_seconds(4, 1), costs.draft_seconds(4, 1)
+    for _ in range(10):
+        costs.observe_verify([4, 4, 4, 4], 3 * base4)
+        costs.observe_draft(4, 1, 3 * draft)
+    assert costs.verify_seconds(4, 4) > 2.5 * base4 and costs.draft_seconds(4, 1) > 2.5 * draft
+    # it passes; the controller now drafts nothing, so only one-token forwards are measured, as profiled
+    for _ in range(600):
+        costs.observe_verify([1, 1, 1, 1], base1)
+    assert costs.verify_seconds(4, 1) == pytest.approx(base1, rel=0.01)
+    assert costs.verify_seconds(4, 4) == pytest.approx(base4, rel=0.1)
+    assert costs.draft_seconds(4, 1) == pytest.approx(draft, rel=0.1)
+
+
+def test_one_slow_draft_does_not_raise_the_drafter_cost() -> None:
+    costs = StepCostModel(flat_profile(), beta=0.5)
+    draft = costs.draft_seconds(4, 1)
+    costs.observe_draft(4, 1, 10 * draft)
+    costs.observe_draft(4, 1, draft)
+    assert costs.draft_seconds(4, 1) == pytest.approx(draft)
+    costs.observe_draft(4, 2, 6 * draft)
+    costs.observe_draft(4, 2, 6 * draft)  # 3x per level, twice in a row
+    assert costs.draft_seconds(4, 1) == pytest.approx(2 * draft)
