@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.datasets import EXTRA_WORKLOADS, WORKLOADS, workload_prompts
-from bench.report import add_ratios, make_row, render_table, sort_rows, write_json, write_plot
+from bench.report import add_ratios, make_row, merge_rounds, render_table, sort_rows, write_json, write_plot
 from bench.systems import SYSTEMS, System, device_info
 
 # Room after prompt + max_new_tokens for the largest verify forward (a tree's nodes) before rollback.
@@ -227,64 +227,81 @@ def run_child(job: dict[str, Any], workdir: Path, on_event) -> dict[str, Any]:
     return result
 
 
-def run_all(jobs: dict[str, dict], plan: Plan, workdir: Path, console) -> dict[str, dict]:
+def run_all(
+    jobs: dict[str, dict], plan: Plan, workdir: Path, console, rounds: int = 1
+) -> dict[str, list[dict]]:
+    """Every system's child, in turn; with rounds > 1 the whole sequence again in fresh processes
+    (A B A B ...), so each system is measured in several processes spread over the run."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     num_cells = len(plan.workloads) * len(plan.batch_sizes) * len(plan.temperatures)
     per_system = num_cells * plan.num_prompts * plan.max_new_tokens
-    results = {}
+    results: dict[str, list[dict]] = {name: [] for name in jobs}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("starting", total=per_system * len(jobs))
-        for n, (name, job) in enumerate(jobs.items()):
-            done_before = n * per_system
+        task = progress.add_task("starting", total=per_system * len(jobs) * rounds)
+        for r in range(rounds):
+            folder = workdir if rounds == 1 else workdir / f"round-{r + 1}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for n, (name, job) in enumerate(jobs.items()):
+                done_before = (r * len(jobs) + n) * per_system
+                label_prefix = name if rounds == 1 else f"{name} (process {r + 1}/{rounds})"
 
-            def on_event(event, name=name):
-                kind = event["event"]
-                if kind == "tokens":
-                    progress.advance(task, event["n"])
-                elif kind == "phase":
-                    progress.update(task, description=f"{name}: {event['phase']}")
-                elif kind == "cell":
-                    label = f"{name}: {event['workload']} batch {event['batch']} T={event['temperature']:g}"
-                    progress.update(task, description=label)
-                    if not console.is_terminal:
-                        # Without a terminal the bar is drawn only at the end; leave a trace per cell.
-                        console.print(f"{time.strftime('%H:%M:%S')} {label}")
+                def on_event(event, label_prefix=label_prefix):
+                    kind = event["event"]
+                    if kind == "tokens":
+                        progress.advance(task, event["n"])
+                    elif kind == "phase":
+                        progress.update(task, description=f"{label_prefix}: {event['phase']}")
+                    elif kind == "cell":
+                        label = (f"{label_prefix}: {event['workload']} batch {event['batch']} "
+                                 f"T={event['temperature']:g}")
+                        progress.update(task, description=label)
+                        if not console.is_terminal:
+                            # Without a terminal the bar is drawn only at the end; leave a trace per cell.
+                            console.print(f"{time.strftime('%H:%M:%S')} {label}")
 
-            results[name] = run_child(job, workdir, on_event)
-            # A failed child (or one that generated fewer tokens) must not leave the bar short.
-            progress.update(task, completed=done_before + per_system)
+                results[name].append(run_child(job, folder, on_event))
+                # A failed child (or one that generated fewer tokens) must not leave the bar short.
+                progress.update(task, completed=done_before + per_system)
     return results
 
 
-def collect_rows(results: dict[str, dict], plan: Plan) -> tuple[list[dict], list[str]]:
+def collect_rows(results: dict[str, list[dict]], plan: Plan) -> tuple[list[dict], list[str]]:
+    """One row per system and cell; a system run in several processes (--rounds) gets the median of its
+    processes' timings (bench/report.py merge_rounds). A system with a failed process is left out."""
     rows, outputs, warnings = [], {}, []
-    for name, result in results.items():
-        if not result.get("ok"):
+    for name, runs in results.items():
+        if not runs or not all(r.get("ok") for r in runs):
             continue
         system = SYSTEMS[name]
-        for cell in result["cells"]:
-            row = make_row(name, cell, plan.max_new_tokens, result.get("peak_rss_mb"),
-                           speculative_specd=system.kind == "specd" and system.spec_enabled,
-                           load_s=result.get("load_s"))
-            if cell.get("suffix_sources"):
-                # the suffix drafter's drafted/accepted tokens by source, and the share of all accepted
-                # tokens drafted from other requests' outputs (its global index)
-                sources = cell["suffix_sources"]
-                row["suffix_sources"] = sources
-                accepted = sum(s["accepted"] for s in sources.values())
-                share = sources["global"]["accepted"] / accepted if accepted else None
-                row["cross_request_accepted_share"] = share
-            rows.append(row)
-            outputs[(name, (row["workload"], row["batch"], row["temperature"]))] = cell["outputs"]
-            if cell.get("preemptions"):
-                warnings.append(f"{name} {cell['workload']} batch {cell['batch']}: vLLM preempted "
-                                f"{cell['preemptions']} times (KV budget too small; its timing suffers)")
-            if cell["generated_tokens"] != cell["requested_tokens"]:
-                warnings.append(f"{name} {cell['workload']} batch {cell['batch']} T={cell['temperature']:g}: "
-                                f"generated {cell['generated_tokens']} of {cell['requested_tokens']} tokens")
+        per_cell: dict[tuple, list[dict]] = {}
+        for result in runs:
+            for cell in result["cells"]:
+                row = make_row(name, cell, plan.max_new_tokens, result.get("peak_rss_mb"),
+                               speculative_specd=system.kind == "specd" and system.spec_enabled,
+                               load_s=result.get("load_s"))
+                if cell.get("suffix_sources"):
+                    # the suffix drafter's drafted/accepted tokens by source, and the share of all accepted
+                    # tokens drafted from other requests' outputs (its global index)
+                    sources = cell["suffix_sources"]
+                    row["suffix_sources"] = sources
+                    accepted = sum(s["accepted"] for s in sources.values())
+                    share = sources["global"]["accepted"] / accepted if accepted else None
+                    row["cross_request_accepted_share"] = share
+                key = (row["workload"], row["batch"], row["temperature"])
+                per_cell.setdefault(key, []).append(row)
+                # every process's outputs, in process order: greedy agreement compares process k with k
+                outputs.setdefault((name, key), []).extend(cell["outputs"])
+                if cell.get("preemptions"):
+                    warnings.append(f"{name} {cell['workload']} batch {cell['batch']}: vLLM preempted "
+                                    f"{cell['preemptions']} times (KV budget too small; its timing suffers)")
+                if cell["generated_tokens"] != cell["requested_tokens"]:
+                    warnings.append(f"{name} {cell['workload']} batch {cell['batch']} "
+                                    f"T={cell['temperature']:g}: generated {cell['generated_tokens']} of "
+                                    f"{cell['requested_tokens']} tokens")
+        rows.extend(merge_rounds(cell_rows) for cell_rows in per_cell.values())
     add_ratios(rows, outputs)
     loads = [r["loadavg_1m_max"] for r in rows if r["loadavg_1m_max"] is not None]
     cpus = os.cpu_count() or 1
@@ -304,6 +321,9 @@ NOTES = (
     "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run; "
     "paired (--paired) divides by target-only run in the same process on the same groups, interleaved.",
     "every child uses the same torch thread count (--threads) and OpenMP runtime (Intel, unless --no-iomp).",
+    "spread (--rounds N) = (max - min) / median of a system's tokens/s over its N fresh processes; the "
+    "JSON's paired_base_vs_target_only is the same decoding (speculation off) in the specd system's process "
+    "over the target-only process: what two processes differ by without speculation.",
 )
 
 
@@ -326,8 +346,8 @@ def run_bench(args: argparse.Namespace) -> int:
         console.print("[bold]--quick[/] reduced the run: " + "; ".join(plan.reductions))
     workdir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="specd-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    results = run_all(jobs, plan, workdir, console)
-    failed = {name: r["error"] for name, r in results.items() if not r.get("ok")}
+    results = run_all(jobs, plan, workdir, console, rounds=args.rounds)
+    failed = {name: r["error"] for name, runs in results.items() for r in runs if not r.get("ok")}
     for name, error in failed.items():
         console.print(f"[red]{name} failed[/]: {error}")
     rows, warnings = collect_rows(results, plan)
@@ -347,7 +367,9 @@ def run_bench(args: argparse.Namespace) -> int:
         failed=failed,
         warnings=warnings,
         notes=list(NOTES),
-        drafter_versions={n: r["drafter_version"] for n, r in results.items() if r.get("drafter_version")},
+        rounds=args.rounds,
+        drafter_versions={n: runs[0]["drafter_version"] for n, runs in results.items()
+                          if runs and runs[0].get("drafter_version")},
         host={"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         started=time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
         duration_s=time.time() - started,
@@ -379,6 +401,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every speculative specd system also runs target-only on each group of "
                              "prompts in its own process, alternating which goes first: a ratio that "
                              "machine-speed drift between systems cannot bias (doubles their run time)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system N times, each in a fresh process (A B A B ...): rows carry "
+                             "the median and each process's tokens/s, and the spread between processes "
+                             "that an unpaired ratio must be read against")
     parser.add_argument("--json", default=None, metavar="PATH", help="write one row per cell to PATH")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of tokens/s per system")
     parser.add_argument("--log-dir", default=None,

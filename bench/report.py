@@ -55,16 +55,52 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "speedup_vs_target_only": None,
         # --paired: over target-only run on the same groups in the same process, interleaved
         "speedup_vs_target_only_paired": _paired_speedup(cell, generated, wall),
+        "paired_base_tokens_per_s": _paired_base_tps(cell),
         "speedup_vs_vllm": None,
         "greedy_agreement_vs_target_only": None,
     }
 
 
-def _paired_speedup(cell: dict[str, Any], generated: int, wall: float) -> float | None:
+def _paired_base_tps(cell: dict[str, Any]) -> float | None:
     base_wall, base_tokens = cell.get("paired_base_wall_s"), cell.get("paired_base_tokens")
-    if not base_wall or not base_tokens or wall <= 0:
+    return base_tokens / base_wall if base_wall and base_tokens else None
+
+
+def _paired_speedup(cell: dict[str, Any], generated: int, wall: float) -> float | None:
+    base = _paired_base_tps(cell)
+    if base is None or wall <= 0:
         return None
-    return (generated / wall) / (base_tokens / base_wall)
+    return (generated / wall) / base
+
+
+# Timings of one system's rounds (--rounds: fresh processes) that merge_rounds replaces by their median.
+MEDIAN_FIELDS = ("tokens_per_s", "ms_per_token_p50", "speedup_vs_target_only_paired",
+                 "paired_base_tokens_per_s", "peak_rss_mb", "load_s", "acceptance_rate",
+                 "mean_accepted_length")
+
+
+def merge_rounds(rounds: list[Row]) -> Row:
+    """One row from the same cell of one system run in several fresh processes (--rounds).
+
+    Timings are the median over processes and `tokens_per_s_rounds` keeps each one: the same decoding
+    in two processes differs by more than this machine's noise within one process (see
+    `paired_base_vs_target_only`), so a ratio between processes is read against that spread.
+    """
+    if len(rounds) == 1:
+        return {**rounds[0], "tokens_per_s_rounds": [rounds[0]["tokens_per_s"]], "tokens_per_s_spread": None}
+    row = dict(rounds[0])
+    for key in MEDIAN_FIELDS:
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        row[key] = statistics.median(values) if values else None
+    for key in ("wall_s", "generated_tokens", "requested_tokens"):
+        row[key] = sum(r[key] for r in rounds)
+    loads = [r["loadavg_1m_max"] for r in rounds if r.get("loadavg_1m_max") is not None]
+    row["loadavg_1m_max"] = max(loads) if loads else None
+    tps = [r["tokens_per_s"] for r in rounds]
+    row["tokens_per_s_rounds"] = tps
+    # (max - min) / median over the processes: how far one process's figure may sit from another's
+    row["tokens_per_s_spread"] = (max(tps) - min(tps)) / statistics.median(tps) if all(tps) else None
+    return row
 
 
 def add_ratios(rows: list[dict[str, Any]], outputs: dict[tuple[str, CellKey], list[list[int]]] | None = None):
@@ -81,6 +117,10 @@ def add_ratios(rows: list[dict[str, Any]], outputs: dict[tuple[str, CellKey], li
             for baseline, field in ((TARGET_ONLY, "speedup_vs_target_only"), (VLLM_AR, "speedup_vs_vllm")):
                 base = tps.get((baseline, key))
                 row[field] = row["tokens_per_s"] / base if base else None
+        # The same decoding (speculation off) in this system's process over the target-only process: what
+        # the two processes differ by, apart from speculation (1.0 if processes were alike).
+        base, target_only = row.get("paired_base_tokens_per_s"), tps.get((TARGET_ONLY, key))
+        row["paired_base_vs_target_only"] = base / target_only if base and target_only else None
         if outputs is not None and row["temperature"] == 0.0 and row["system"] != TARGET_ONLY:
             mine, ref = outputs.get((row["system"], key)), outputs.get((TARGET_ONLY, key))
             if mine and ref and len(mine) == len(ref):
@@ -111,11 +151,12 @@ TABLE_COLUMNS = (
     ("vs target-only", "speedup_vs_target_only", ".2f", "x"),
     ("paired", "speedup_vs_target_only_paired", ".2f", "x"),
     ("vs vLLM", "speedup_vs_vllm", ".2f", "x"),
+    ("spread", "tokens_per_s_spread", ".0%", ""),
 )
 
 
 def table_cells(row: dict[str, Any]) -> list[str]:
-    return [str(row[k]) if spec is None else _fmt(row[k], spec, sfx) for _, k, spec, sfx in TABLE_COLUMNS]
+    return [str(row[k]) if spec is None else _fmt(row.get(k), spec, sfx) for _, k, spec, sfx in TABLE_COLUMNS]
 
 
 def render_table(rows: list[dict[str, Any]], title: str = "specd bench engine"):

@@ -9,6 +9,7 @@ import pytest
 from bench.report import (
     add_ratios,
     make_row,
+    merge_rounds,
     render_table,
     sort_rows,
     table_cells,
@@ -48,6 +49,36 @@ def test_paired_speedup_divides_by_the_interleaved_baseline():
     r = make_row("specd-chain", c, 128, None, True)
     assert r["speedup_vs_target_only_paired"] == pytest.approx(1.6)
     assert "1.60x" in table_cells(r)
+
+
+def test_rounds_merge_to_medians_and_keep_each_process():
+    # one system's cell measured in three fresh processes (--rounds 3): 10, 13 and 12 tokens/s
+    runs = []
+    for tps, base in ((10.0, 10.0), (13.0, 12.5), (12.0, 12.0)):
+        c = cell(generated=int(tps * 10), wall=10.0, drafted=40, accepted=20, steps=20, emitted=40)
+        c.update(paired_base_wall_s=10.0, paired_base_tokens=int(base * 10))
+        runs.append(make_row("specd-default", c, 128, 1000.0, True))
+    merged = merge_rounds(runs)
+    assert merged["tokens_per_s"] == pytest.approx(12.0)                     # median, not mean
+    assert merged["tokens_per_s_rounds"] == pytest.approx([10.0, 13.0, 12.0])
+    assert merged["tokens_per_s_spread"] == pytest.approx(3.0 / 12.0)         # (max - min) / median
+    assert merged["paired_base_tokens_per_s"] == pytest.approx(12.0)
+    assert merged["speedup_vs_target_only_paired"] == pytest.approx(1.0)      # median of 1.0, 1.04, 1.0
+    assert merged["generated_tokens"] == 350 and merged["wall_s"] == pytest.approx(30.0)
+    assert "25%" in table_cells(merged)
+    single = merge_rounds(runs[:1])
+    assert single["tokens_per_s_spread"] is None and single["tokens_per_s_rounds"] == [10.0]
+
+
+def test_paired_base_over_the_target_only_process():
+    # speculation off in the specd process ran 190 tok/s where the target-only process ran 200
+    c = cell(generated=1800, wall=10.0, drafted=0, accepted=0, steps=100, emitted=100)
+    c.update(paired_base_wall_s=10.0, paired_base_tokens=1900)
+    rows = add_ratios([row("target-only", 200.0), make_row("specd-default", c, 128, None, True)])
+    assert rows[1]["paired_base_vs_target_only"] == pytest.approx(0.95)
+    assert rows[1]["speedup_vs_target_only"] == pytest.approx(0.9)
+    assert rows[1]["speedup_vs_target_only_paired"] == pytest.approx(180 / 190)
+    assert rows[0]["paired_base_vs_target_only"] is None
 
 
 def test_make_row_without_speculation_has_null_acceptance():
@@ -95,8 +126,9 @@ def test_sort_groups_cells_then_system_order():
 def test_table_cells_show_dashes_for_missing_values():
     rows = add_ratios([row("target-only", 10.0), row("specd-chain", 15.0, speculative=True)])
     base, spec = table_cells(rows[0]), table_cells(rows[1])
-    assert base[0] == "target-only" and base[-1] == "-" and base[6] == "-"
-    assert spec[-3] == "1.50x" and spec[-2] == "-"  # vs target-only; no paired run
+    assert base[0] == "target-only" and base[-2] == "-" and base[6] == "-"
+    assert spec[-4] == "1.50x" and spec[-3] == "-"  # vs target-only; no paired run
+    assert spec[-1] == "-"                          # one process each: no spread
     assert render_table(rows).row_count == 2
 
 

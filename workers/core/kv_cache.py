@@ -12,6 +12,8 @@ are a strided *view* that scaled_dot_product_attention reads directly, with no c
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 
@@ -45,7 +47,9 @@ class KVCache:
         # Committed length per slot. Kept on the CPU whatever the device: the model plans every
         # forward (slices, masks) from these numbers in Python.
         self.lengths = torch.zeros(num_slots + int(scratch_slot), dtype=torch.long, device="cpu")
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # A heap: the lowest free slot is handed out first, so running requests keep to the low slots and a
+        # batch's slots tend to be consecutive, which the model reads as one cache view (layers.BatchPlan)
+        self._free = list(range(num_slots))
         self._in_use = [False] * num_slots
 
     # ---- slot bookkeeping -------------------------------------------------------------------
@@ -57,7 +61,7 @@ class KVCache:
     def allocate(self) -> int:
         if not self._free:
             raise CacheFullError(f"all {self.num_slots} KV cache slots are in use; free one first")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._in_use[slot] = True
         self.lengths[slot] = 0
         return slot
@@ -66,7 +70,7 @@ class KVCache:
         self._check_slot(slot)
         self._in_use[slot] = False
         self.lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def rollback(self, slot: int, new_length: int) -> None:
         """Forget everything at positions >= new_length (e.g. rejected draft tokens)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
 from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
 from workers.drafters.registry import drafter_class
+from workers.engine.host_memory import keep_freed_memory
 from workers.engine.profile import profile_drafter
 from workers.engine.target_worker import resolve_device
 from workers.engine.types import Draft, DraftItem, NewRequest
@@ -75,6 +76,7 @@ class PositionCounts:
 class DraftWorker:
     def __init__(self, cfg, spec, target_model_dir: str, seed: int = 0, cache_dir: str | None = None):
         resolve_device(cfg.device)
+        keep_freed_memory(getattr(cfg, "keep_freed_memory", True))
         self.drafter = drafter_class(cfg.kind).from_config(
             cfg, target_model_dir=str(target_model_dir), cache_dir=cache_dir, seed=seed
         )

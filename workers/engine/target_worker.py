@@ -28,6 +28,7 @@ from workers.core.sampling import (
 from workers.core.tree import TokenTree
 from workers.core.verify_chain import verify_chain
 from workers.core.verify_tree import verify_trees
+from workers.engine.host_memory import keep_freed_memory
 from workers.engine.profile import profile_verify
 from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
 from workers.engine.types import Draft, NewRequest, VerifyResult
@@ -57,6 +58,7 @@ class TargetWorker:
         self.model_dir = ensure_target_model(cfg.model_path, cache_dir)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        keep_freed_memory(getattr(cfg, "keep_freed_memory", True))
         self.device = resolve_device(cfg.device)
         self.runner = ModelRunner(
             self.model_dir,

@@ -68,6 +68,40 @@ def test_extend_variable_counts_per_row(runner):
     torch.testing.assert_close(nxt[1, 0], _single(runner, [9, 9, 30, 41])[-1], atol=ATOL, rtol=0)
 
 
+def test_rows_in_any_slot_order_read_the_cache_as_one_view_and_change_nothing(tiny_llama_dir, monkeypatch):
+    from workers.models import layers
+
+    runner = ModelRunner(tiny_llama_dir, max_slots=5, max_seq_len=64)   # slot 4 stays free for _single
+    slots = [runner.allocate() for _ in range(4)]
+    assert slots == [0, 1, 2, 3]                        # the lowest free slot first
+    runner.free(2), runner.free(0)
+    assert [runner.allocate(), runner.allocate()] == [0, 2]
+    prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    shuffled = [2, 0, 3, 1]                             # rows in request order, slots in no order
+    runs = []   # cache views per layer of each whole-batch plan (ragged row groups plan their rows again)
+    make = layers.BatchPlan.make.__func__
+    monkeypatch.setattr(layers.BatchPlan, "make", classmethod(
+        lambda cls, slots, *a, **k: (plan := make(cls, slots, *a, **k),
+                                     len(slots) == 4 and runs.append(len(plan.runs)))[0]))
+    first, hidden = runner.prefill(shuffled, [prompts[s] for s in shuffled], return_hidden=True)
+    logits = runner.extend(shuffled, [[20, 21], [22], [23, 24], [25]])          # [4, 2, vocab]
+    trees = runner.extend_trees(shuffled, [[30, 31, 32], [33], [34, 35], [36]],
+                                [[-1, 0, 0], [-1], [-1, 0], [-1]])              # [4, 3, vocab]
+    assert runs and set(runs) == {1}                    # every forward saw slots 0-3 as one run
+    monkeypatch.undo()
+    for row, s in enumerate(shuffled):
+        prompt = prompts[s]
+        torch.testing.assert_close(first[row], _single(runner, prompt)[-1], atol=ATOL, rtol=0)
+        assert hidden[row].shape[0] == len(prompt)
+        new = [[20, 21], [22], [23, 24], [25]][row]
+        ref = _single(runner, prompt + new)[-len(new):]
+        torch.testing.assert_close(logits[row, : len(new)], ref, atol=ATOL, rtol=0)
+    # slot 2's tree (row 0): root 30 after prompt + [20, 21]; children 31, 32
+    for node in (1, 2):
+        ref = _single(runner, prompts[2] + [20, 21, 30, [31, 32][node - 1]])[-1]
+        torch.testing.assert_close(trees[0, node], ref, atol=ATOL, rtol=0)
+
+
 def test_rollback_after_rejected_drafts(runner):
     slot = runner.allocate()
     runner.prefill([slot], [[1, 2, 3, 4]])
