@@ -1,7 +1,13 @@
 """`specd bench serve`: a gRPC load generator, specd against target-only on the same server and run.
 
-N concurrent clients stream greedy completions (EOS ignored, so every request generates exactly
-max_new_tokens) for the held-out GSM8K and HumanEval prompts in the chat template. Phases:
+N concurrent clients stream greedy completions (EOS ignored, so every request generates exactly its
+max_new_tokens) for the held-out GSM8K and HumanEval prompts in the chat template. With `--lengths
+fixed` (the default) every request asks for max_new_tokens; target-only decoding then keeps the
+clients in lock-step (all finish at one step, all send their next prompt together, and the whole wave's
+prefill lands in time to first token, none in TPOT), while speculation spreads their finishing times
+and puts other requests' prefills between their tokens. `--lengths mixed` gives request i a length
+drawn once, seeded, uniformly from [max_new_tokens / 2, 3 max_new_tokens / 2], the same in every
+phase, as traffic whose answers differ in length does. Phases:
 
     specd               speculation on, the server's pipeline_groups (2: drafting overlaps verifying)
     target-only         the same server, speculation off per request (the baseline)
@@ -25,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -87,17 +94,29 @@ def summarize(timings: list[dict], wall_s: float) -> dict[str, Any]:
     }
 
 
-async def run_phase(address: str, prompts: list[list[dict]], clients: int, max_new_tokens: int,
+def request_lengths(count: int, max_new_tokens: int, mode: str = "fixed", seed: int = 0) -> list[int]:
+    """max_new_tokens of each request: all alike ("fixed"), or ("mixed") drawn uniformly from
+    [max_new_tokens / 2, 3 max_new_tokens / 2] (mean max_new_tokens), seeded: every phase sends the same."""
+    if mode == "fixed":
+        return [max_new_tokens] * count
+    if mode != "mixed":
+        raise ValueError(f"unknown --lengths {mode!r}; choose fixed or mixed")
+    rng = random.Random(seed)
+    low, high = max(2, max_new_tokens // 2), max(2, max_new_tokens + max_new_tokens // 2)
+    return [rng.randint(low, high) for _ in range(count)]
+
+
+async def run_phase(address: str, prompts: list[list[dict]], clients: int, lengths: list[int],
                     speculation: bool, desc: str) -> dict[str, Any]:
     from tqdm import tqdm
 
     client = AsyncSpecdClient(address, timeout=3600)
-    todo = iter(prompts)
+    todo = iter(zip(prompts, lengths, strict=True))
     timings: list[dict] = []
     bar = tqdm(total=len(prompts), desc=desc, unit="req", leave=True)
 
     async def one_client() -> None:
-        for messages in todo:            # a shared iterator: each client takes the next prompt
+        for messages, max_new_tokens in todo:   # a shared iterator: each client takes the next prompt
             t0 = time.perf_counter()
             ttft, tokens, usage = None, 0, None
             async for chunk in client.stream(messages=messages, max_new_tokens=max_new_tokens,
@@ -126,7 +145,7 @@ async def run_phase(address: str, prompts: list[list[dict]], clients: int, max_n
 
 
 def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: int,
-                   max_new_tokens: int) -> dict[str, Any]:
+                   lengths: list[int]) -> dict[str, Any]:
     """The same workers and prompts without router or Ray (the unpipelined in-process engine)."""
     import torch
     from tqdm import tqdm
@@ -142,8 +161,8 @@ def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: i
     engine = build_engine(cfg, max_running=clients)
     spec = SpecParams.from_config(cfg.spec)
     engine.generate([NewRequest("warmup", prompt_ids[0], SamplingParams(), 4, spec)], ignore_eos=True)
-    reqs = [NewRequest(f"bench-{i}", ids, SamplingParams(), max_new_tokens, spec)
-            for i, ids in enumerate(prompt_ids)]
+    reqs = [NewRequest(f"bench-{i}", ids, SamplingParams(), length, spec)
+            for i, (ids, length) in enumerate(zip(prompt_ids, lengths, strict=True))]
     bar = tqdm(total=len(reqs), desc="in-process", unit="req")
 
     def on_step(seq, _emitted) -> None:
@@ -249,6 +268,7 @@ def run_bench(args: argparse.Namespace) -> int:
     cfg = load_config(overrides)
     model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
     messages, prompt_ids = mixed_prompts(args.workloads.split(","), args.requests, load_tokenizer(model_dir))
+    lengths = request_lengths(len(messages), args.max_new_tokens, args.lengths)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-serve-"))
     logs.mkdir(parents=True, exist_ok=True)
     serve_overrides = [*overrides, "server.port=0", "server.metrics_port=0",
@@ -258,7 +278,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     def phases(address: str, names: list[tuple[str, bool]]) -> None:
         for name, speculation in names:
-            results[name] = asyncio.run(run_phase(address, messages, args.clients, args.max_new_tokens,
+            results[name] = asyncio.run(run_phase(address, messages, args.clients, lengths,
                                                   speculation, name))
 
     if args.address:
@@ -276,7 +296,7 @@ def run_bench(args: argparse.Namespace) -> int:
             finally:
                 server.stop()
         if not args.no_in_process:
-            results["in-process"] = run_in_process(overrides, prompt_ids, args.clients, args.max_new_tokens)
+            results["in-process"] = run_in_process(overrides, prompt_ids, args.clients, lengths)
     figures = derived_figures(results)
     print(render(results, figures))
     print("device: " + ", ".join(f"{k} {v}" for k, v in _device(overrides).items()))
@@ -284,6 +304,7 @@ def run_bench(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"clients": args.clients, "requests": len(messages), "max_new_tokens": args.max_new_tokens,
+                "lengths": args.lengths, "requested_tokens": sum(lengths),
                 "workloads": args.workloads, "overrides": overrides, "address": args.address,
                 "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs),
                 "device": _device(overrides)}
@@ -296,6 +317,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=4, help="concurrent gRPC clients (default 4)")
     parser.add_argument("--requests", type=int, default=16, help="prompts per phase (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--lengths", choices=("fixed", "mixed"), default="fixed",
+                        help="fixed: every request max_new_tokens; mixed: seeded uniform in [M/2, 3M/2]")
     parser.add_argument("--workloads", default="gsm8k,humaneval", help="comma-separated: gsm8k,humaneval")
     parser.add_argument("--address", default=None, help="bench a running server instead of starting one")
     parser.add_argument("--no-unpipelined", action="store_true", help="skip the pipeline_groups=1 server")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import derived_figures, percentiles, summarize, worker_delta
+from bench.serve import derived_figures, percentiles, request_lengths, summarize, worker_delta
 
 
 def test_percentiles_are_nearest_rank() -> None:
@@ -41,3 +41,21 @@ def test_worker_delta_and_derived_figures() -> None:
     assert f["speedup_specd_vs_target_only"] == 1.5 and f["pipeline_gain"] == pytest.approx(0.2)
     assert f["router_ray_overhead"] == pytest.approx(1 / 11)
     assert f["pipeline_overlap_fraction"] == w["overlap_fraction"]
+
+
+def test_fixed_lengths_are_all_max_new_tokens() -> None:
+    assert request_lengths(3, 64) == [64, 64, 64]
+
+
+def test_mixed_lengths_are_seeded_spread_around_max_new_tokens() -> None:
+    lengths = request_lengths(400, 64, "mixed")
+    assert lengths == request_lengths(400, 64, "mixed")          # every phase sends the same
+    assert lengths != request_lengths(400, 64, "mixed", seed=1)
+    assert min(lengths) >= 32 and max(lengths) <= 96
+    assert len(set(lengths)) > 40                                  # spread, so clients fall out of step
+    assert abs(sum(lengths) / len(lengths) - 64) < 3
+
+
+def test_unknown_length_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="fixed or mixed"):
+        request_lengths(2, 64, "long")
