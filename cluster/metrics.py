@@ -20,6 +20,11 @@ follow the glossary: drafted, accepted, recovered, bonus, step, gamma.
     specd_goodput_predicted_tokens_per_second, specd_goodput_measured_tokens_per_second
                                          gauges by replica: the goodput controller's estimate of its plans
                                          vs what the steps delivered (EMAs; 0 when no request uses it)
+    specd_guard_speculation_allowed      gauge by replica: 1 while the speculation guard lets drafting run
+    specd_guard_tokens_per_second        gauge by replica and mode (on, off): decode tokens per busy second
+                                         of the guard's recent windows at the current load
+    specd_guard_windows_total            counter by replica and mode: the guard's measured windows
+    specd_guard_skipped_steps_total      counter by replica: steps the guard kept from drafting
 """
 
 from __future__ import annotations
@@ -92,6 +97,16 @@ class SpecdMetrics(SchedulerObserver):
                                        ["replica"], registry=r)
         self.goodput_measured = Gauge("specd_goodput_measured_tokens_per_second",
                                       "Tokens/s the drafted steps delivered (EMA)", ["replica"], registry=r)
+        self.guard_allowed = Gauge("specd_guard_speculation_allowed", "1 while the speculation guard lets "
+                                   "drafting run (workers/core/guard.py)", ["replica"], registry=r)
+        self.guard_tokens_per_s = Gauge("specd_guard_tokens_per_second", "Decode tokens per busy second of "
+                                        "the guard's recent windows at the current load", ["replica", "mode"],
+                                        registry=r)
+        self.guard_windows = Counter("specd_guard_windows", "Windows the speculation guard measured",
+                                     ["replica", "mode"], registry=r)
+        self.guard_skipped = Counter("specd_guard_skipped_steps", "Steps the speculation guard kept from "
+                                     "drafting", ["replica"], registry=r)
+        self._guard_counts: dict[str, tuple[int, int, int]] = {}
         self._versions: dict[int, str] = {}
         self._sum_drafted = self._sum_accepted = self._sum_emitted = self._steps = 0
 
@@ -163,9 +178,23 @@ class SpecdMetrics(SchedulerObserver):
                 self.drafter_fallback.labels(replica).inc(max(0, now[1] - before[1]))
                 self._drafter_counts[replica] = now
                 self.drafter_down.labels(replica).set(1.0 if s["drafter_down"] else 0.0)
+            if "guard_allowed" in s:
+                self._set_guard(replica, s)
             if "goodput_predicted" in s:
                 self.goodput_predicted.labels(replica).set(s["goodput_predicted"])
                 self.goodput_measured.labels(replica).set(s["goodput_measured"])
+
+    def _set_guard(self, replica: str, s: dict) -> None:
+        self.guard_allowed.labels(replica).set(1.0 if s["guard_allowed"] else 0.0)
+        self.guard_tokens_per_s.labels(replica, "on").set(s["guard_on_tokens_per_s"])
+        self.guard_tokens_per_s.labels(replica, "off").set(s["guard_off_tokens_per_s"])
+        # counted in the scheduler's guard; the poll adds what is new since the last one
+        now = (s["guard_windows_on"], s["guard_windows_off"], s["guarded_steps"])
+        before = self._guard_counts.get(replica, (0, 0, 0))
+        self.guard_windows.labels(replica, "on").inc(max(0, now[0] - before[0]))
+        self.guard_windows.labels(replica, "off").inc(max(0, now[1] - before[1]))
+        self.guard_skipped.labels(replica).inc(max(0, now[2] - before[2]))
+        self._guard_counts[replica] = now
 
     def serve_http(self, port: int, host: str = "0.0.0.0"):
         """Expose /metrics; returns the HTTP server (call .shutdown() to stop) and the port it bound."""

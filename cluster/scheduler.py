@@ -40,6 +40,7 @@ from cluster.requests import (
     ServedStats,
     TokensEvent,
 )
+from workers.core.guard import SpeculationGuard
 from workers.engine.handles import DrafterHandle, TargetHandle
 from workers.engine.sequence import Sequence
 from workers.engine.step import SpecStep, StepOutcome
@@ -94,9 +95,12 @@ class Scheduler:
         eos_token_ids: list[int] | tuple[int, ...] = (),
         observer: SchedulerObserver | None = None,
         on_drafter_back: Callable[[int], Awaitable[None]] | None = None,
+        guard_window_steps: int = 0,
     ):
         """on_drafter_back(replica): set up a replica's drafter again after it failed and answers again
-        (a restarted actor has lost its version store and cost profile); SpecStep calls it."""
+        (a restarted actor has lost its version store and cost profile); SpecStep calls it.
+        guard_window_steps > 0: each replica's groups share a SpeculationGuard with windows of that many
+        steps (workers/core/guard.py)."""
         if not replicas:
             raise ValueError("a scheduler needs at least one (target, drafter) replica")
         if pipeline_groups < 1:
@@ -118,6 +122,7 @@ class Scheduler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.observer = observer or SchedulerObserver()
         self.on_drafter_back = on_drafter_back
+        self.guard_window_steps = guard_window_steps
         self._waiting: deque[ServedRequest] = deque()
         self._requests: dict[str, ServedRequest] = {}
         self._tasks: list[asyncio.Task] = []
@@ -131,8 +136,9 @@ class Scheduler:
     async def start(self) -> None:
         for rep in self.replicas:
             rep.busy_base = await self._busy_seconds(rep)
+            guard = SpeculationGuard(self.guard_window_steps) if self.guard_window_steps > 0 else None
             for group in rep.groups:
-                group.step = await SpecStep.create(rep.target, rep.drafter,
+                group.step = await SpecStep.create(rep.target, rep.drafter, guard=guard,
                                                    on_drafter_back=partial(self._drafter_back, rep))
             rep.hidden = rep.groups[0].step.hidden
             await rep.groups[0].step.profile()       # one cost model per drafter worker
@@ -437,6 +443,8 @@ class Scheduler:
                 "drafter_failures": sum(st.drafter_failures for st in steps),
                 "drafter_fallback_requests": sum(st.fallback_requests for st in steps),
                 "drafter_down": any(st.drafter_down_since is not None for st in steps),
+                "guarded_steps": sum(st.guarded_steps for st in steps),
+                **(steps[0].guard.stats() if steps and steps[0].guard is not None else {}),
             })
         return out
 

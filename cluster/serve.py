@@ -170,6 +170,7 @@ async def _bring_up(
         eos_token_ids=info["eos_token_ids"],
         observer=observer,
         on_drafter_back=lambda i: follow_again(res.online, i, str(model_dir), cfg.drafter.version_pin),
+        guard_window_steps=cfg.spec.guard_window_steps,
     )
     await res.scheduler.start()
     if cfg.server.warmup:

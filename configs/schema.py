@@ -175,6 +175,9 @@ class SpecConfig:
     # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row)
     goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     goodput_prior: float = 0.6          # goodput: acceptance per position assumed before any is measured
+    # Decode steps per window of the speculation guard (workers/core/guard.py): windows with speculation
+    # allowed and not are timed, and the slower mode runs only as a probe. 0 = off (the γ policy alone)
+    guard_window_steps: int = 32
     tree_width: int = 1                 # 1 = chain
     tree_width_max: int = 4             # widest token tree a request may ask for
     egag_threshold: float = 0.6         # egag policy: stop drafting when the drafter's entropy exceeds this

@@ -44,4 +44,5 @@ def build_engine(
     if speculative:
         drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=drafter_seed,
                               cache_dir=cfg.cache_dir)
-    return SpecEngine(target, drafter, max_running=max_running)
+    return SpecEngine(target, drafter, max_running=max_running,
+                      guard_window_steps=cfg.spec.guard_window_steps)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from workers.core.guard import SpeculationGuard
 from workers.engine.handles import DrafterHandle, TargetHandle, run_sync
 from workers.engine.sequence import Sequence
 from workers.engine.step import SpecStep
@@ -19,7 +20,8 @@ from workers.engine.types import NewRequest
 
 
 class SpecEngine:
-    def __init__(self, target, drafter=None, max_running: int | None = None):
+    def __init__(self, target, drafter=None, max_running: int | None = None, guard_window_steps: int = 0):
+        """guard_window_steps > 0: a SpeculationGuard with windows of that many steps (see step.py)."""
         self.target = target
         self.drafter = drafter
         info = target.info()
@@ -30,7 +32,8 @@ class SpecEngine:
         if drafter is not None and hasattr(drafter, "colocated"):
             drafter.colocated = True     # same device and thread as the target (see DraftWorker)
         handle = DrafterHandle(drafter, "drafter", "direct") if drafter is not None else None
-        self.step = run_sync(SpecStep.create(TargetHandle(target, "target", "direct"), handle))
+        guard = SpeculationGuard(guard_window_steps) if guard_window_steps > 0 else None
+        self.step = run_sync(SpecStep.create(TargetHandle(target, "target", "direct"), handle, guard=guard))
         run_sync(self.step.profile())
 
     @property

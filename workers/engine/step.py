@@ -31,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from workers.core.guard import SpeculationGuard
 from workers.engine.handles import DrafterHandle, TargetHandle
 from workers.engine.sequence import Sequence
 from workers.engine.types import Draft, VerifyResult
@@ -66,9 +67,14 @@ class SpecStep:
     (the server's set-up of a fresh drafter: version store, cost profile) runs and speculation resumes."""
 
     def __init__(self, target: TargetHandle, drafter: DrafterHandle | None, *, hidden: bool = False,
-                 on_drafter_back: Callable[[], Awaitable[None]] | None = None):
+                 on_drafter_back: Callable[[], Awaitable[None]] | None = None,
+                 guard: SpeculationGuard | None = None):
+        """guard: measures decode throughput with speculation allowed and not, and turns drafting off while
+        it loses (workers/core/guard.py); the router's groups of one replica share one."""
         self.target = target
         self.drafter = drafter
+        self.guard = guard if drafter is not None else None
+        self.guarded_steps = 0                   # steps the guard kept from drafting
         # The drafter reads the target's hidden states: start and verify return them with their tokens.
         self.hidden = hidden and drafter is not None
         # (tokens per row, seconds, tokens emitted) of this batch's previous verify: the goodput
@@ -89,9 +95,10 @@ class SpecStep:
 
     @classmethod
     async def create(cls, target: TargetHandle, drafter: DrafterHandle | None,
-                     on_drafter_back: Callable[[], Awaitable[None]] | None = None) -> SpecStep:
+                     on_drafter_back: Callable[[], Awaitable[None]] | None = None,
+                     guard: SpeculationGuard | None = None) -> SpecStep:
         hidden = drafter is not None and await drafter.uses_target_hidden()
-        return cls(target, drafter, hidden=hidden, on_drafter_back=on_drafter_back)
+        return cls(target, drafter, hidden=hidden, on_drafter_back=on_drafter_back, guard=guard)
 
     async def profile(self) -> None:
         """The goodput policy's cost model starts from a timed sweep of this target's verify forward."""
@@ -142,6 +149,14 @@ class SpecStep:
 
     async def start(self, seqs: list[Sequence]) -> list[list[int]]:
         """Prefill newly admitted requests; returns the tokens each emitted (the first token)."""
+        t0 = time.perf_counter()
+        try:
+            return await self._start(seqs)
+        finally:
+            if self.guard is not None:
+                self.guard.prefill(t0, time.perf_counter())
+
+    async def _start(self, seqs: list[Sequence]) -> list[list[int]]:
         first, hidden = await self.target.start([s.request for s in seqs], return_hidden=self.hidden)
         new_tokens = [seq.start(list(tokens)) for seq, tokens in zip(seqs, first, strict=True)]
         drafting = [i for i, s in enumerate(seqs) if self._speculates(s) and not s.finished]
@@ -167,8 +182,14 @@ class SpecStep:
         t0 = time.perf_counter()
         ids = [s.request_id for s in live]
         drafting = [s for s in live if self._speculates(s)]
+        eligible = bool(drafting)
+        allowed = self.guard is None or self.guard.allowed
         skipped: set[str] = set()
-        if drafting and self._pause > 0:
+        if drafting and not allowed:
+            self.guarded_steps += 1
+            skipped = {s.request_id for s in drafting}
+            drafting = []
+        elif drafting and self._pause > 0:
             self._pause -= 1
             self.paused_steps += 1
             skipped = {s.request_id for s in drafting}
@@ -207,6 +228,9 @@ class SpecStep:
         if colocated and len(self._step_times) < STEP_TIMES_MAX:
             seconds = time.perf_counter() - t0 - results[0].verify_seconds
             self._step_times.append((len(live), any(d.tokens for d in drafts), bool(proposed), seconds))
+        if self.guard is not None and eligible:
+            emitted = sum(len(o.new_tokens) for o in outcomes)
+            self.guard.step(t0, time.perf_counter(), emitted, len(live), allowed)
         return outcomes
 
     async def release(self, request_ids: list[str]) -> None:

@@ -257,3 +257,41 @@ def test_steps_that_pause_the_drafter_reach_it_whole(cfg, target, hidden_drafter
         untaken = seq.next_draft_item().commit_new_tokens      # what the drafter would get next
         assert seen[f"ps{i}"] + untaken == PROMPTS[i] + seq.output
     assert target.free_slots() == cfg.target.max_slots
+
+
+def test_steps_the_guard_keeps_from_drafting_reach_the_drafter_whole(cfg, target, hidden_drafter_dir,
+                                                                     monkeypatch):
+    """The speculation guard (workers/core/guard.py) turns drafting off window by window; the steps it
+    kept from the drafter reach it whole, as paused ones do, and output stays target-only's."""
+    off = SpecParams(enabled=False)
+    base = SpecEngine(target).generate(
+        [NewRequest(f"gb{i}", p, SamplingParams(), 40, off) for i, p in enumerate(PROMPTS)], ignore_eos=True
+    )
+    drafter = DraftWorker(dataclasses.replace(cfg.drafter, path=str(hidden_drafter_dir), kind="model"),
+                          cfg.spec, str(target.model_dir))
+    seen: dict[str, list[int]] = {}                    # the text each request's drafter was given
+    add, commit = drafter.drafter.add_request, drafter.drafter.commit
+
+    def recorded_add(rid, tokens, **kw):
+        seen[rid] = list(tokens)
+        return add(rid, tokens, **kw)
+
+    def recorded_commit(rid, accepted, new_tokens, **kw):
+        seen[rid] += list(new_tokens)
+        return commit(rid, accepted, new_tokens, **kw)
+
+    monkeypatch.setattr(drafter.drafter, "add_request", recorded_add)
+    monkeypatch.setattr(drafter.drafter, "commit", recorded_commit)
+    engine = SpecEngine(target, drafter, guard_window_steps=1)   # on, off, then the faster with probes
+    seqs = engine.generate(
+        [NewRequest(f"gs{i}", p, SamplingParams(), 40, SpecParams(gamma=3)) for i, p in enumerate(PROMPTS)],
+        ignore_eos=True,
+    )
+    assert [s.output for s in seqs] == [s.output for s in base]
+    guard = engine.step.guard
+    assert guard.windows["on"] >= 1 and guard.windows["off"] >= 1 and engine.step.guarded_steps > 0
+    assert sum(s.stats.drafted for s in seqs) > 0
+    for i, seq in enumerate(seqs):   # no guarded step's tokens went missing on the way to the drafter
+        untaken = seq.next_draft_item().commit_new_tokens
+        assert seen[f"gs{i}"] + untaken == PROMPTS[i] + seq.output
+    assert target.free_slots() == cfg.target.max_slots
