@@ -34,6 +34,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -141,7 +142,33 @@ async def run_phase(address: str, prompts: list[list[dict]], clients: int, lengt
     out = summarize(timings, wall)
     out["workers"] = worker_delta(before, after)
     out["pipeline_groups"] = after["pipeline_groups"]
+    out["_timings"] = timings            # merge_rounds reads them; not written to the JSON
     return out
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase's figures over its rounds: every request's timings together (throughput = all tokens
+    over all rounds' wall time), each round's own throughput, TPOT p50 and TTFT p50 in `rounds`, and the
+    last round's workers."""
+    timings = [t for r in rounds for t in r["_timings"]]
+    out = summarize(timings, sum(r["wall_s"] for r in rounds))
+    out["workers"] = rounds[-1]["workers"]
+    out["pipeline_groups"] = rounds[-1]["pipeline_groups"]
+    out["rounds"] = [{"tokens_per_s": r["tokens_per_s"], "tpot_p50_s": r["tpot_s"]["p50"],
+                      "ttft_p50_s": r["ttft_s"]["p50"]} for r in rounds]
+    return out
+
+
+def round_figures(results: dict[str, dict]) -> dict[str, Any]:
+    """specd against target-only round by round (each round's pair ran back to back on the same prompts):
+    the throughput and TPOT p50 ratios of every round and their medians."""
+    if "rounds" not in results.get("specd", {}) or "rounds" not in results.get("target-only", {}):
+        return {}
+    pairs = list(zip(results["specd"]["rounds"], results["target-only"]["rounds"], strict=True))
+    speed = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs if b["tokens_per_s"] > 0]
+    tpot = [a["tpot_p50_s"] / b["tpot_p50_s"] for a, b in pairs if b["tpot_p50_s"] > 0]
+    return {"speedup_rounds": speed, "speedup_median": statistics.median(speed) if speed else None,
+            "tpot_p50_ratio_rounds": tpot, "tpot_p50_ratio_median": statistics.median(tpot) if tpot else None}
 
 
 def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: int,
@@ -267,7 +294,9 @@ def run_bench(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     cfg = load_config(overrides)
     model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
-    messages, prompt_ids = mixed_prompts(args.workloads.split(","), args.requests, load_tokenizer(model_dir))
+    rounds = max(1, args.rounds)
+    messages, prompt_ids = mixed_prompts(args.workloads.split(","), args.requests * rounds,
+                                         load_tokenizer(model_dir))
     lengths = request_lengths(len(messages), args.max_new_tokens, args.lengths)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-serve-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -277,9 +306,18 @@ def run_bench(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
 
     def phases(address: str, names: list[tuple[str, bool]]) -> None:
-        for name, speculation in names:
-            results[name] = asyncio.run(run_phase(address, messages, args.clients, lengths,
-                                                  speculation, name))
+        """Each round sends its own prompts (a drafter must not have seen them); odd rounds run the phases
+        in reverse order, so a machine that slows or speeds up over the run favours neither."""
+        runs: dict[str, list[dict]] = {name: [] for name, _ in names}
+        for r in range(rounds):
+            part = slice(r * args.requests, (r + 1) * args.requests)
+            for name, speculation in (names if r % 2 == 0 else names[::-1]):
+                label = name if rounds == 1 else f"{name} {r + 1}/{rounds}"
+                runs[name].append(asyncio.run(run_phase(address, messages[part], args.clients, lengths[part],
+                                                        speculation, label)))
+        for name, per_round in runs.items():
+            results[name] = merge_rounds(per_round) if rounds > 1 else per_round[0]
+            results[name].pop("_timings", None)
 
     if args.address:
         phases(args.address, [("specd", True), ("target-only", False)])
@@ -296,15 +334,16 @@ def run_bench(args: argparse.Namespace) -> int:
             finally:
                 server.stop()
         if not args.no_in_process:
-            results["in-process"] = run_in_process(overrides, prompt_ids, args.clients, lengths)
-    figures = derived_figures(results)
+            part = slice(0, args.requests)
+            results["in-process"] = run_in_process(overrides, prompt_ids[part], args.clients, lengths[part])
+    figures = {**derived_figures(results), **round_figures(results)}
     print(render(results, figures))
     print("device: " + ", ".join(f"{k} {v}" for k, v in _device(overrides).items()))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"clients": args.clients, "requests": len(messages), "max_new_tokens": args.max_new_tokens,
-                "lengths": args.lengths, "requested_tokens": sum(lengths),
+                "lengths": args.lengths, "rounds": rounds, "requested_tokens": sum(lengths),
                 "workloads": args.workloads, "overrides": overrides, "address": args.address,
                 "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs),
                 "device": _device(overrides)}
@@ -317,6 +356,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=4, help="concurrent gRPC clients (default 4)")
     parser.add_argument("--requests", type=int, default=16, help="prompts per phase (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the specd and target-only phases, each on its own --requests "
+                             "prompts, alternating their order; medians of the per-round ratios (default 1)")
     parser.add_argument("--lengths", choices=("fixed", "mixed"), default="fixed",
                         help="fixed: every request max_new_tokens; mixed: seeded uniform in [M/2, 3M/2]")
     parser.add_argument("--workloads", default="gsm8k,humaneval", help="comma-separated: gsm8k,humaneval")

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import derived_figures, percentiles, request_lengths, summarize, worker_delta
+from bench.serve import (
+    derived_figures,
+    merge_rounds,
+    percentiles,
+    request_lengths,
+    round_figures,
+    summarize,
+    worker_delta,
+)
 
 
 def test_percentiles_are_nearest_rank() -> None:
@@ -59,3 +67,22 @@ def test_mixed_lengths_are_seeded_spread_around_max_new_tokens() -> None:
 def test_unknown_length_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="fixed or mixed"):
         request_lengths(2, 64, "long")
+
+
+def _round(tps: float, tpot: float) -> dict:
+    timings = [{"tokens": 11, "ttft_s": 0.5, "total_s": 0.5 + 10 * tpot, "usage": None}] * 2
+    out = summarize(timings, 22 / tps)
+    return {**out, "workers": [{"replica": 0}], "pipeline_groups": 2, "_timings": timings}
+
+
+def test_rounds_merge_all_timings_and_pair_round_by_round() -> None:
+    specd = merge_rounds([_round(10.0, 0.2), _round(30.0, 0.1)])
+    base = merge_rounds([_round(20.0, 0.25), _round(20.0, 0.25)])
+    assert specd["tokens_per_s"] == pytest.approx(44 / (22 / 10 + 22 / 30))   # all tokens over all wall
+    assert [r["tokens_per_s"] for r in specd["rounds"]] == pytest.approx([10.0, 30.0])
+    assert specd["tpot_s"]["p50"] == pytest.approx(0.1)                     # over every request
+    figures = round_figures({"specd": specd, "target-only": base})
+    assert figures["speedup_rounds"] == pytest.approx([0.5, 1.5])
+    assert figures["speedup_median"] == pytest.approx(1.0)
+    assert figures["tpot_p50_ratio_rounds"] == pytest.approx([0.8, 0.4])
+    assert round_figures({"specd": _round(1.0, 0.1), "target-only": _round(1.0, 0.1)}) == {}
