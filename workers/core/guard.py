@@ -12,6 +12,9 @@ The guard closes the loop on the outcome instead of a prediction:
 - each window's throughput is its tokens over the time its steps were running, less the time prefills
   ran (new requests' prompts are work of neither mode, and how many arrive depends on how fast the
   others finish): tokens per busy second;
+- a window's first `warmup` steps run in its mode but are not timed: after a switch the drafter first
+  takes in what it missed while off (a catch-up prefill per request), a cost of switching, not of
+  either mode, which timed would make speculation look worse the more often the guard probes it;
 - windows are kept per load (the log2 bucket of the mean requests per step: batch 1 and batch 16 are
   different trades), and the mode whose recent windows (median of the last `keep`) did better runs; the
   other is probed every few windows, the more rarely the larger the gap, so probing costs at most about
@@ -63,18 +66,22 @@ class _Window:
     prefills: list[tuple[float, float]] = field(default_factory=list)
     tokens: int = 0
     requests: int = 0
+    started: int = 0     # steps of this window's mode seen, timed or not
 
 
 class SpeculationGuard:
     """Chooses, window by window, whether speculation may run; see the module docstring."""
 
-    def __init__(self, window_steps: int = 32, keep: int = 3) -> None:
+    def __init__(self, window_steps: int = 32, keep: int = 3, warmup: int = 2) -> None:
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
         self.window_steps = window_steps
         self.keep = keep
+        self.warmup = warmup
         self.window = _Window(ON)
         self.history: dict[tuple[int, str], deque[float]] = {}   # (load bucket, mode) -> tokens/s
         self._since_probe = 0
@@ -96,6 +103,9 @@ class SpeculationGuard:
         if requests <= 0 or speculated != self.allowed:
             return
         w = self.window
+        w.started += 1
+        if w.started <= self.warmup:
+            return
         w.steps.append((start, end))
         w.tokens += tokens
         w.requests += requests

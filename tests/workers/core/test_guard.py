@@ -16,7 +16,7 @@ def run(guard: SpeculationGuard, windows: int, seconds: dict[str, float], tokens
     for _ in range(windows):
         mode = ON if guard.allowed else OFF
         modes.append(mode)
-        for _ in range(guard.window_steps):
+        for _ in range(guard.warmup + guard.window_steps):
             start = clock[0]
             clock[0] += seconds[mode]
             guard.step(start, clock[0], tokens[mode], batch, speculated=mode == ON)
@@ -75,7 +75,7 @@ def test_each_load_is_judged_on_its_own_windows() -> None:
 
 
 def test_steps_of_the_other_mode_and_empty_steps_do_not_count() -> None:
-    guard = SpeculationGuard(window_steps=2)
+    guard = SpeculationGuard(window_steps=2, warmup=0)
     guard.step(0.0, 1.0, 5, 4, speculated=False)     # began before the window turned on: not this window's
     guard.step(0.0, 1.0, 5, 0, speculated=True)      # nobody ran
     assert guard.allowed and guard.windows == {ON: 0, OFF: 0}
@@ -85,11 +85,21 @@ def test_steps_of_the_other_mode_and_empty_steps_do_not_count() -> None:
 
 
 def test_prefill_time_is_taken_out_of_the_window() -> None:
-    guard = SpeculationGuard(window_steps=2)
+    guard = SpeculationGuard(window_steps=2, warmup=0)
     guard.step(0.0, 1.0, 10, 4, speculated=True)
     guard.prefill(1.0, 5.0)                           # a long prompt between the steps
     guard.step(0.5, 6.0, 10, 4, speculated=True)      # the other group waited for it
     assert guard.throughput(2, ON) == pytest.approx(20 / 2.0)
+
+
+def test_a_windows_first_steps_are_not_timed() -> None:
+    """After a switch the drafter catches up on what it missed: a cost of switching, not of the mode."""
+    guard = SpeculationGuard(window_steps=2, warmup=1)
+    guard.step(0.0, 5.0, 4, 4, speculated=True)      # the catch-up step: slow, not timed
+    guard.step(5.0, 6.0, 4, 4, speculated=True)
+    assert guard.allowed
+    guard.step(6.0, 7.0, 4, 4, speculated=True)
+    assert not guard.allowed and guard.throughput(2, ON) == pytest.approx(4.0)
 
 
 def test_bad_settings_are_refused() -> None:
@@ -97,3 +107,5 @@ def test_bad_settings_are_refused() -> None:
         SpeculationGuard(window_steps=0)
     with pytest.raises(ValueError, match="keep"):
         SpeculationGuard(keep=0)
+    with pytest.raises(ValueError, match="warmup"):
+        SpeculationGuard(warmup=-1)
