@@ -6,8 +6,11 @@ purpose, by sleeping `host_ms` after every propose that drafted, and runs, in on
 alternating groups of `batch` GSM8K prompts (fresh prompts per group, so no group repeats another's):
 
     off       speculation off per request (the paired target-only baseline)
-    measured  the default, its cost model measuring each step's host work (workers/core/goodput.py)
-    blind     the default with that measurement turned off (the cost model before it)
+    measured  the default, its cost model measuring each step's host work (workers/core/goodput.py),
+              with the speculation guard as configured (spec.guard_window_steps)
+    blind     the default with that measurement and the guard turned off (the cost model before both)
+    guarded   blind, with the speculation guard (workers/core/guard.py): what the guard alone saves
+              from a cost model that cannot see the host work
 
     python scripts/host_cost_check.py 8 100 3          # batch, host_ms, groups
     python scripts/host_cost_check.py 8 0 3            # no added host work: measured should not lose
@@ -58,13 +61,15 @@ def main(batch: int, host_ms: float, groups: int, overrides: list[str]) -> None:
     measured = build_engine(cfg, speculative=True, max_running=batch)
     slowed(measured.drafter, host_ms)
     target = measured.target
-    blind_drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=worker_seeds(cfg.seed)[1],
-                                cache_dir=cfg.cache_dir)
-    blind = SpecEngine(target, slowed(blind_drafter, host_ms), max_running=batch)
-    blind_drafter.costs.observe_host = lambda *a, **k: None   # noqa: ARG005 - the cost model before
+    engines = {"off": measured, "measured": measured}
+    for mode, window in (("blind", 0), ("guarded", cfg.spec.guard_window_steps or 32)):
+        drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=worker_seeds(cfg.seed)[1],
+                              cache_dir=cfg.cache_dir)
+        drafter.costs.observe_host = lambda *a, **k: None   # noqa: ARG005 - the cost model before
+        engines[mode] = SpecEngine(target, slowed(drafter, host_ms), max_running=batch,
+                                   guard_window_steps=window)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [p for _, p in workload_prompts("gsm8k", batch * (groups + 1), tok)]
-    engines = {"off": measured, "measured": measured, "blind": blind}
     rates: dict[str, list[float]] = {m: [] for m in engines}
     drafted: dict[str, list[float]] = {m: [] for m in engines}
     for g in range(groups + 1):                                # group 0 warms every mode up
