@@ -213,6 +213,24 @@ def test_feature_drafter_drafts_real_trees_from_a_fresh_cache(cfg, target, hidde
     target.release(["t0"])
 
 
+def _record_drafter_input(drafter, monkeypatch) -> dict[str, list[int]]:
+    """request id -> the text its drafter was given (prompt, then every commit), filled as it runs."""
+    seen: dict[str, list[int]] = {}
+    add, commit = drafter.drafter.add_request, drafter.drafter.commit
+
+    def recorded_add(rid, tokens, **kw):
+        seen[rid] = list(tokens)
+        return add(rid, tokens, **kw)
+
+    def recorded_commit(rid, accepted, new_tokens, **kw):
+        seen[rid] += list(new_tokens)
+        return commit(rid, accepted, new_tokens, **kw)
+
+    monkeypatch.setattr(drafter.drafter, "add_request", recorded_add)
+    monkeypatch.setattr(drafter.drafter, "commit", recorded_commit)
+    return seen
+
+
 def test_steps_that_pause_the_drafter_reach_it_whole(cfg, target, hidden_drafter_dir, monkeypatch):
     """A batch that drafted nothing pauses the drafter (workers/engine/step.py); the outcomes of the paused
     steps, tokens and the target states that predicted them, reach it together with the next DraftItem (a
@@ -232,20 +250,8 @@ def test_steps_that_pause_the_drafter_reach_it_whole(cfg, target, hidden_drafter
         calls.append(1)
         return inner(rids, gammas if len(calls) % 3 else [0] * len(gammas), params, **kw)
 
-    seen: dict[str, list[int]] = {}                    # the text each request's drafter was given
-    add, commit = drafter.drafter.add_request, drafter.drafter.commit
-
-    def recorded_add(rid, tokens, **kw):
-        seen[rid] = list(tokens)
-        return add(rid, tokens, **kw)
-
-    def recorded_commit(rid, accepted, new_tokens, **kw):
-        seen[rid] += list(new_tokens)
-        return commit(rid, accepted, new_tokens, **kw)
-
+    seen = _record_drafter_input(drafter, monkeypatch)
     monkeypatch.setattr(drafter.drafter, "propose", every_third_drafts_nothing)
-    monkeypatch.setattr(drafter.drafter, "add_request", recorded_add)
-    monkeypatch.setattr(drafter.drafter, "commit", recorded_commit)
     engine = SpecEngine(target, drafter)
     seqs = engine.generate(
         [NewRequest(f"ps{i}", p, SamplingParams(), 40, SpecParams(gamma=3)) for i, p in enumerate(PROMPTS)],
@@ -269,19 +275,7 @@ def test_steps_the_guard_keeps_from_drafting_reach_the_drafter_whole(cfg, target
     )
     drafter = DraftWorker(dataclasses.replace(cfg.drafter, path=str(hidden_drafter_dir), kind="model"),
                           cfg.spec, str(target.model_dir))
-    seen: dict[str, list[int]] = {}                    # the text each request's drafter was given
-    add, commit = drafter.drafter.add_request, drafter.drafter.commit
-
-    def recorded_add(rid, tokens, **kw):
-        seen[rid] = list(tokens)
-        return add(rid, tokens, **kw)
-
-    def recorded_commit(rid, accepted, new_tokens, **kw):
-        seen[rid] += list(new_tokens)
-        return commit(rid, accepted, new_tokens, **kw)
-
-    monkeypatch.setattr(drafter.drafter, "add_request", recorded_add)
-    monkeypatch.setattr(drafter.drafter, "commit", recorded_commit)
+    seen = _record_drafter_input(drafter, monkeypatch)
     engine = SpecEngine(target, drafter, guard_window_steps=1)   # on, off, then the faster with probes
     seqs = engine.generate(
         [NewRequest(f"gs{i}", p, SamplingParams(), 40, SpecParams(gamma=3)) for i, p in enumerate(PROMPTS)],
