@@ -170,7 +170,7 @@ class SpecConfig:
     gamma_min: int = 0                  # operator bounds a request's gamma must fall within
     gamma_max: int = 8                  # (gamma_min .. gamma_max) a request's gamma must fall within
     # fixed | egag | confidence | adaptive | goodput. goodput (default) picks γ per request and step for
-    # the batch's tokens/s, 0 where drafting cannot pay, so speculation never loses to target-only.
+    # the batch's tokens/s, 0 where drafting cannot pay (a cost model can err: see guard_window_steps).
     policy: GammaPolicyName = GammaPolicyName.goodput
     # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row)
     goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
