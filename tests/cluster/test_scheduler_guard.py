@@ -33,7 +33,7 @@ def test_guard_windows_through_the_scheduler_keep_output_exact(tiny_llama_dir) -
         sched = Scheduler([(target, drafter)], capacity=8, max_queue=8, max_running=8, pipeline_groups=2,
                           guard_window_steps=2)
         await sched.start()
-        guards = {id(g.step.guard) for g in sched.replicas[0].groups}
+        guards = {g.step.guard for g in sched.replicas[0].groups}
         outs = []
         for round_ in ("a", "b", "c"):
             runs = [NewRequest(f"{round_}{i}", p, SamplingParams(), 32, spec) for i, p in enumerate(PROMPTS)]
@@ -44,11 +44,14 @@ def test_guard_windows_through_the_scheduler_keep_output_exact(tiny_llama_dir) -
 
     outs, stats, guards = asyncio.run(main())
     assert len(guards) == 1                                  # one guard for both groups of the replica
+    (guard,) = guards
+    assert {mode for _, mode in guard.history} == {"on", "off"}   # both modes timed
     for round_ in outs:
         assert [tokens for tokens, _ in round_] == base
     s = stats[0]
     assert s["guard_windows_on"] >= 1 and s["guard_windows_off"] >= 1 and s["guarded_steps"] > 0
-    assert s["guard_on_tokens_per_s"] > 0 and s["guard_off_tokens_per_s"] > 0
+    # the last closed window's load may have no window of one mode yet (a round's tail runs fewer requests)
+    assert s["guard_on_tokens_per_s"] > 0 or s["guard_off_tokens_per_s"] > 0
     metrics = SpecdMetrics()
     metrics.set_worker_stats(stats)
     sample = metrics.registry.get_sample_value

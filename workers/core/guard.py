@@ -16,9 +16,13 @@ The guard closes the loop on the outcome instead of a prediction:
   takes in what it missed while off (a catch-up prefill per request), a cost of switching, not of
   either mode, which timed would make speculation look worse the more often the guard probes it;
 - windows are kept per load (the log2 bucket of the mean requests per step: batch 1 and batch 16 are
-  different trades), and the mode whose recent windows (median of the last `keep`) did better runs; the
-  other is probed every few windows, the more rarely the larger the gap, so probing costs at most about
-  PROBE_COST of throughput and a change (a drafter that learned, other traffic) is noticed.
+  different trades); speculation runs unless its recent windows (median of the last `keep`) did worse
+  than plain decoding's by more than `margin`, and the other mode is probed every few windows, the more
+  rarely the larger the gap, so probing costs at most about PROBE_COST of throughput and a change (a
+  drafter that learned, other traffic) is noticed. The margin leaves the few percent a window cannot
+  tell from noise to the γ policy (without it the engine grid's batch 4-8 cells, where the goodput
+  policy gained a few percent, lost them to the guard: 9 of 12 cells lower) and catches what a policy
+  gets wrong by more.
 
 Output is exact in both modes: the guard only turns drafting off. Plain python: no torch, ray, grpc or
 redis; the caller passes the times (time.perf_counter), so tests drive it with hand-written ones.
@@ -72,13 +76,16 @@ class _Window:
 class SpeculationGuard:
     """Chooses, window by window, whether speculation may run; see the module docstring."""
 
-    def __init__(self, window_steps: int = 32, keep: int = 3, warmup: int = 2) -> None:
+    def __init__(self, window_steps: int = 32, keep: int = 3, warmup: int = 2, margin: float = 0.05) -> None:
         if window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {warmup}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be in [0, 1), got {margin}")
+        self.margin = margin
         self.window_steps = window_steps
         self.keep = keep
         self.warmup = warmup
@@ -141,7 +148,7 @@ class SpeculationGuard:
             return ON
         if off is None:
             return OFF
-        best, other = (ON, OFF) if on >= off else (OFF, ON)
+        best, other = (ON, OFF) if on >= off * (1.0 - self.margin) else (OFF, ON)
         gap = abs(on - off) / max(on, off)
         interval = min(max(round(gap / PROBE_COST), MIN_PROBE_INTERVAL), MAX_PROBE_INTERVAL)
         self._since_probe += 1

@@ -51,6 +51,17 @@ def test_speculation_that_pays_runs_and_plain_decoding_is_probed_rarely() -> Non
     assert 1 <= later.count(OFF) <= len(later) // 32 + 1
 
 
+def test_a_loss_within_the_margin_is_left_to_the_policy() -> None:
+    # 3% slower with speculation: within what a window cannot tell from noise, speculation keeps running
+    close = run(SpeculationGuard(window_steps=4), 30, {ON: 0.1, OFF: 0.1}, {ON: 97, OFF: 100})
+    assert close[2:].count(ON) >= 2 * close[2:].count(OFF)
+    # 8% slower: beyond the margin, plain decoding runs
+    far = run(SpeculationGuard(window_steps=4), 30, {ON: 0.1, OFF: 0.1}, {ON: 92, OFF: 100})
+    assert far[2:].count(OFF) > 3 * far[2:].count(ON)
+    with pytest.raises(ValueError, match="margin"):
+        SpeculationGuard(margin=1.0)
+
+
 def test_probes_are_more_frequent_when_the_modes_are_close() -> None:
     close = run(SpeculationGuard(window_steps=2), 80, {ON: 0.1, OFF: 0.1}, {ON: 82, OFF: 80})
     far = run(SpeculationGuard(window_steps=2), 80, {ON: 0.1, OFF: 0.1}, {ON: 120, OFF: 80})
