@@ -172,17 +172,20 @@ def round_figures(results: dict[str, dict]) -> dict[str, Any]:
 
 
 def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: int,
-                   lengths: list[int]) -> dict[str, Any]:
+                   lengths: list[int], model_dir: str) -> dict[str, Any]:
     """The same workers and prompts without router or Ray (the unpipelined in-process engine)."""
     import torch
     from tqdm import tqdm
 
+    from cluster.first_start import ensure_serving_drafter
     from configs import load_config
     from workers.core.sampling import SamplingParams
     from workers.engine.build import build_engine
     from workers.engine.types import NewRequest, SpecParams
 
     cfg = load_config(overrides)
+    # the drafter the server serves with: without a bootstrapped one, the quick one (cluster/first_start.py)
+    ensure_serving_drafter(cfg, model_dir)
     # Like a Ray actor with num_cpus=n, which gets OMP_NUM_THREADS=n.
     torch.set_num_threads(cfg.target.num_threads or max(1, int(cfg.target.num_cpus)))
     engine = build_engine(cfg, max_running=clients)
@@ -335,7 +338,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 server.stop()
         if not args.no_in_process:
             part = slice(0, args.requests)
-            results["in-process"] = run_in_process(overrides, prompt_ids[part], args.clients, lengths[part])
+            results["in-process"] = run_in_process(overrides, prompt_ids[part], args.clients, lengths[part],
+                                                   model_dir)
     figures = {**derived_figures(results), **round_figures(results)}
     print(render(results, figures))
     print("device: " + ", ".join(f"{k} {v}" for k, v in _device(overrides).items()))
