@@ -85,8 +85,13 @@ def add_prompt_labels(examples: list[Example], teacher) -> list[Example]:
 
 
 def replay(examples, setting: list[str], base_overrides: list[str], target_dir: str, drafter: str,
-           teacher) -> list[dict]:
+           teacher, final_steps: int = 0, heldout_eval=None) -> list[dict]:
+    """One setting: the stream's examples in order through the trainer; a row per update round.
+    final_steps: that many more steps on the whole buffer after the stream (what the same records give a
+    trainer with compute to spare). heldout_eval(store, after): scores the versions in process."""
     cfg = load_config([*base_overrides, *setting]).trainer
+    if heldout_eval is not None:
+        cfg = replace(cfg, keep_versions=1_000_000)   # the version serving at a domain's end is scored
     examples = [with_prompt_weight(e, cfg.prompt_weight) for e in examples]
     holdout = {}
     for e in examples:
@@ -96,20 +101,30 @@ def replay(examples, setting: list[str], base_overrides: list[str], target_dir: 
         trainer = OnlineTrainer(cfg, _NoSource(), target_dir, drafter, store, teacher=teacher)
         rows = [_row(trainer, holdout, cfg.gate_gamma, 0)]
         new = 0
+        after: dict[str, str] = {}   # domain -> the version serving after its last record
         for i, e in enumerate(examples, 1):
             if is_held_out(e.entry_id, cfg.holdout_every):
                 trainer.holdout.append(e)
-                continue
-            trainer.buffer.append(e)
-            new += 1
+            else:
+                trainer.buffer.append(e)
+                new += 1
             if new >= cfg.update_every_records:
-                t0 = time.perf_counter()
-                trainer.train_steps(cfg.steps_per_update)
-                train_s = time.perf_counter() - t0
-                trainer.gate_and_publish()
+                rows.append(_round(trainer, cfg.steps_per_update, holdout, cfg.gate_gamma, i))
                 new = 0
-                rows.append({**_row(trainer, holdout, cfg.gate_gamma, i), "train_s": round(train_s, 1)})
+            after[e.domain] = trainer.serving_version
+        if final_steps:
+            rows.append(_round(trainer, final_steps, holdout, cfg.gate_gamma, len(examples)))
+        if heldout_eval is not None:
+            rows.append({"heldout": heldout_eval(Path(store), after)})
     return rows
+
+
+def _round(trainer, steps: int, holdout, gamma: int, seen: int) -> dict:
+    t0 = time.perf_counter()
+    trainer.train_steps(steps)
+    train_s = time.perf_counter() - t0
+    trainer.gate_and_publish()
+    return {**_row(trainer, holdout, gamma, seen), "train_s": round(train_s, 1)}
 
 
 def _row(trainer, holdout, gamma: int, seen: int) -> dict:
@@ -131,6 +146,14 @@ def main() -> None:
     p.add_argument("--drafter", required=True, help="the drafter the stream's server started from")
     p.add_argument("--try", dest="settings", action="append", default=[],
                    help="comma-separated trainer overrides; repeat for each setting")
+    p.add_argument("--max-records", type=int, default=None, help="only the stream's first N records")
+    p.add_argument("--final-steps", type=int, default=0,
+                   help="after the stream, this many more steps on the whole buffer")
+    p.add_argument("--heldout", type=int, default=0, metavar="N",
+                   help="also score the versions as `specd bench osd` does: α of γ-chains on N eval prompts "
+                        "per domain, in process, before / after each domain / final")
+    p.add_argument("--gamma", type=int, default=3, help="--heldout: the chains' γ")
+    p.add_argument("--max-new-tokens", type=int, default=40, help="--heldout: tokens per eval prompt")
     p.add_argument("overrides", nargs="*", default=[])
     args = p.parse_args()
     cfg = load_config(args.overrides)
@@ -148,10 +171,19 @@ def main() -> None:
         examples = label_all(records, teacher, replace(cfg.trainer), need_hidden=True)
         if labels:
             torch.save([dict(e.__dict__) for e in examples], labels)
+    examples = examples[:args.max_records]
     print(f"{len(examples)} labelled records")
+    heldout_eval = None
+    if args.heldout:
+        from bench.osd import heldout_acceptance
+
+        def heldout_eval(store: Path, after: dict[str, str]) -> dict:
+            return heldout_acceptance([*args.overrides, f"drafter.path={args.drafter}", "drafter.kind=model"],
+                                      store, args.heldout, args.max_new_tokens, after, gamma=args.gamma)
     for setting in args.settings or [""]:
         overrides = [s for s in setting.split(",") if s]
-        for row in replay(examples, overrides, args.overrides, target_dir, str(Path(args.drafter)), teacher):
+        for row in replay(examples, overrides, args.overrides, target_dir, str(Path(args.drafter)), teacher,
+                          args.final_steps, heldout_eval):
             print(setting or "defaults", row, flush=True)
 
 

@@ -7,6 +7,7 @@ import argparse
 from bench.osd import (
     DOMAINS,
     bootstrap_prompts,
+    heldout_overrides,
     published_events,
     reference_drafter,
     serving_at_domain_end,
@@ -116,3 +117,11 @@ def test_the_reference_is_the_offline_drafter_when_built_and_not_the_start(tmp_p
     assert reference_drafter(args, str(offline), str(tmp_path)) is None        # started from it
     assert reference_drafter(argparse.Namespace(reference="none"), str(quick), str(tmp_path)) is None
     assert reference_drafter(argparse.Namespace(reference="/x"), str(quick), str(tmp_path)) == "/x"
+
+
+def test_the_heldout_evaluation_runs_without_the_speculation_guard() -> None:
+    from configs import load_config
+
+    cfg = load_config(heldout_overrides(["spec.guard_window_steps=16", "spec.policy=fixed"]))
+    assert cfg.spec.guard_window_steps == 0
+    assert load_config(["spec.guard_window_steps=16"]).spec.guard_window_steps == 16
