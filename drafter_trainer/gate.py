@@ -38,34 +38,45 @@ class GateScore:
 
 
 @torch.no_grad()
-def score(student: Student, examples: Sequence[Example], gamma: int, batch: int = 4) -> GateScore:
+def score(student: Student, examples: Sequence[Example], gamma: int, batch: int = 4,
+          cache: dict[str, tuple[float, ...]] | None = None) -> GateScore:
+    """cache: entry id -> that example's partial sums for this student, read and filled. The trainer keeps
+    one for the serving version, which each round would otherwise score again on the same held-out
+    records (4 of 64 are new per round)."""
     student.train(False)
-    matched = acc_sum = steps_accepted = 0.0
-    positions = steps = 0
-    for start in range(0, len(examples), batch):
-        chunk = list(examples[start : start + batch])
+    parts = dict(cache or {})
+    todo = [e for e in examples if e.entry_id not in parts]
+    for start in range(0, len(todo), batch):
+        chunk = todo[start : start + batch]
         logits = student.logits(chunk)  # [Σ n, V_sub]
-        q = F.softmax(logits.float(), -1)
         row = 0
         for e in chunk:
-            n = e.n_labels
-            p = dense_teacher(e.topk_logprobs, e.topk_ids, student.vocab_ids, student.vocab_size,
-                              renormalise=False)  # [n, V_sub], the target's own probabilities
-            alpha = torch.minimum(p, q[row : row + n]).sum(-1)  # [n]
-            greedy = student.vocab_ids[logits[row : row + n].argmax(-1)] == e.topk_ids[:, 0]
-            row += n
-            sel = e.in_step & (e.step_position < gamma)
-            matched += float(greedy[sel].sum())
-            acc_sum += float(alpha[sel].sum())
-            positions += int(sel.sum())
-            starts = (sel & (e.step_position == 0)).nonzero().flatten().tolist()
-            for s in starts:
-                run = alpha[s : s + gamma]
-                run = run[: int((e.step_position[s : s + gamma] == torch.arange(run.numel())).sum())]
-                steps_accepted += float(torch.cumprod(run, 0).sum())
-                steps += 1
+            parts[e.entry_id] = _partial_sums(student, e, logits[row : row + e.n_labels], gamma)
+            row += e.n_labels
+    if cache is not None:
+        cache.update({e.entry_id: parts[e.entry_id] for e in todo})
+    matched, acc_sum, steps_accepted, positions, steps = (sum(t) for t in zip(
+        *(parts[e.entry_id] for e in examples), strict=True)) if examples else (0.0,) * 5
     denom = max(1, positions)
-    return GateScore(matched / denom, acc_sum / denom, steps_accepted / max(1, steps), positions)
+    return GateScore(matched / denom, acc_sum / denom, steps_accepted / max(1, steps), int(positions))
+
+
+def _partial_sums(student: Student, e: Example, logits: torch.Tensor, gamma: int) -> tuple[float, ...]:
+    """(greedy matches, Σ α, Σ expected accepted per step, positions, steps) of one example.
+    logits: [n_labels, V_sub], the student's at the example's labels."""
+    q = F.softmax(logits.float(), -1)
+    p = dense_teacher(e.topk_logprobs, e.topk_ids, student.vocab_ids, student.vocab_size,
+                      renormalise=False)  # [n, V_sub], the target's own probabilities
+    alpha = torch.minimum(p, q).sum(-1)  # [n]
+    greedy = student.vocab_ids[logits.argmax(-1)] == e.topk_ids[:, 0]
+    sel = e.in_step & (e.step_position < gamma)
+    steps_accepted, steps = 0.0, 0
+    for s in (sel & (e.step_position == 0)).nonzero().flatten().tolist():
+        run = alpha[s : s + gamma]
+        run = run[: int((e.step_position[s : s + gamma] == torch.arange(run.numel())).sum())]
+        steps_accepted += float(torch.cumprod(run, 0).sum())
+        steps += 1
+    return float(greedy[sel].sum()), float(alpha[sel].sum()), steps_accepted, int(sel.sum()), steps
 
 
 def passes(candidate: GateScore, serving: GateScore, margin: float) -> bool:

@@ -91,6 +91,7 @@ class OnlineTrainer:
         self.serving = self._load(self.store.current())
         self.candidate = self._load(self.store.current())
         self.stats.serving_version = self.store.current()
+        self._serving_scores: dict[str, tuple[float, ...]] = {}   # the gate's, for the serving version
         self.optimizer = self._optimizer()
         self.buffer: deque[Example] = deque(maxlen=cfg.buffer_records)
         self.holdout: deque[Example] = deque(maxlen=cfg.holdout_records)
@@ -232,7 +233,9 @@ class OnlineTrainer:
             return None
         held = list(self.holdout)
         cand = score(self.candidate, held, self.cfg.gate_gamma)
-        serv = score(self.serving, held, self.cfg.gate_gamma)
+        kept = {e.entry_id for e in held}
+        self._serving_scores = {k: v for k, v in self._serving_scores.items() if k in kept}
+        serv = score(self.serving, held, self.cfg.gate_gamma, cache=self._serving_scores)
         self.stats.gate_candidate, self.stats.gate_serving = cand.as_dict(), serv.as_dict()
         if not passes(cand, serv, self.cfg.gate_margin):
             self._event("gate_rejected", candidate=cand.as_dict(), serving=serv.as_dict())
@@ -249,6 +252,7 @@ class OnlineTrainer:
                    "optimizer_steps": self.stats.optimizer_steps},
         )
         self.serving.load_state_dict(self.candidate.state_dict())
+        self._serving_scores = {}
         self.stats.serving_version = version
         self.stats.publishes += 1
         self._event("publish", version=version, parent=parent, candidate=cand.as_dict(),
@@ -265,6 +269,7 @@ class OnlineTrainer:
             return
         parent = self.store.roll_back(version)
         self.serving = self._load(parent)
+        self._serving_scores = {}
         self.candidate = self._load(parent)
         self.optimizer = self._optimizer()
         self.stats.serving_version = parent

@@ -124,6 +124,37 @@ def test_gate_rejects_a_worse_candidate_and_publishes_a_better_one(tmp_path, tin
         assert "model.embed_tokens.weight" not in f.keys()  # noqa: SIM118 (the target's: referenced)
 
 
+def test_the_gate_scores_the_serving_version_once_per_record(tmp_path, tiny_llama_dir, redis_server, teacher,
+                                                             continuations, monkeypatch):
+    # a margin: the untrained candidate (the serving weights) must not publish
+    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, cfg=replace(CFG, gate_margin=0.001),
+                       stream="s-gate-cache")
+    examples = _examples(trainer, continuations, teacher)
+    scored: list[str] = []
+    logits = trainer.serving.logits
+
+    def counted(chunk, **kw):
+        scored.extend(e.entry_id for e in chunk)
+        return logits(chunk, **kw)
+
+    monkeypatch.setattr(trainer.serving, "logits", counted)
+    trainer.holdout.extend(examples[:4])
+    trainer.gate_and_publish()
+    trainer.holdout.extend(examples[4:6])
+    trainer.gate_and_publish()
+    assert sorted(scored) == sorted(e.entry_id for e in examples[:6])   # each held-out record once
+    cached = trainer.stats.gate_serving
+    monkeypatch.setattr(trainer.serving, "logits", logits)
+    assert cached == score(trainer.serving, examples[:6], trainer.cfg.gate_gamma).as_dict()
+
+    trainer.train_steps(60, examples[6:])          # a publish: the new serving version is scored afresh
+    assert trainer.gate_and_publish() is not None
+    assert trainer._serving_scores == {}
+    trainer.gate_and_publish()
+    fresh = score(trainer.serving, examples[:6], trainer.cfg.gate_gamma)
+    assert trainer.stats.gate_serving == fresh.as_dict()
+
+
 def test_records_flow_through_the_group_and_are_acknowledged(tmp_path, tiny_llama_dir, redis_server, teacher,
                                                              continuations):
     trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, stream="s-flow")
