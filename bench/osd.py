@@ -202,6 +202,7 @@ def heldout_acceptance(
     if store is None or not (store / "CURRENT").is_file():
         return result
     drafter.watch_versions(str(store), str(target.model_dir), poll_s=3600)
+    drafter._swapper.stop()   # only serve_version's checks below: the thread's first one loaded CURRENT
     for d in DOMAINS:
         if after and after.get(d):
             result[d]["after_version"] = serve_version(after[d])

@@ -70,13 +70,22 @@ class DrafterSwapper:
             log.warning("drafter version %s rejected, %s stays: %s", wanted, self.serving, exc)
             return None
         with self._lock:
+            # Pinned elsewhere while this one loaded (the poll thread and a pin race): a stale load must not
+            # overwrite the pinned version's. It did in `specd bench osd`, whose held-out evaluation pins
+            # each domain's version while the thread's first check loads CURRENT: "after" read the last
+            # version's figures.
+            if wanted != (self.pin or wanted):
+                return None
             self._ready = (wanted, tensors)
         return wanted
 
     def take(self) -> tuple[str, dict[str, torch.Tensor]] | None:
-        """The verified version waiting to be applied, if any (the worker calls this between steps)."""
+        """The verified version waiting to be applied, if any (the worker calls this between steps); none
+        when a pin names another version."""
         with self._lock:
             ready, self._ready = self._ready, None
+        if ready is not None and self.pin and ready[0] != self.pin:
+            return None
         return ready
 
     def applied(self, version: str) -> None:

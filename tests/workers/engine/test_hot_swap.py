@@ -101,3 +101,38 @@ def test_a_pinned_version_wins_over_current_until_unpinned(tmp_path, tiny_llama_
     assert swapper.check() == second
     worker.propose([])
     assert worker.swap_stats()["version"] == second
+
+
+def test_a_version_loaded_while_another_was_pinned_is_not_applied(tmp_path, tiny_llama_dir, drafters,
+                                                                  monkeypatch):
+    """The poll thread loads CURRENT while the caller pins another version (bench osd's held-out
+    evaluation): the stale load must neither overwrite the pinned one nor be applied."""
+    import workers.engine.hot_swap as hot_swap
+
+    token_dir, _ = drafters
+    worker = _worker(tiny_llama_dir, token_dir)
+    store = VersionStore(tmp_path / "store")
+    worker.watch_versions(str(store.root), str(tiny_llama_dir), poll_s=3600)
+    swapper = worker._swapper
+    swapper.stop()
+    first = _publish(store, token_dir, tiny_llama_dir)
+    second = _publish(store, token_dir, tiny_llama_dir)
+    store_current(store, second)
+    load = hot_swap.load_version
+
+    def pinned_meanwhile(vdir, target_dir):
+        worker.pin_version(first)           # the other thread pins while this load of CURRENT runs
+        return load(vdir, target_dir)
+
+    monkeypatch.setattr(hot_swap, "load_version", pinned_meanwhile)
+    assert swapper.check() is None and swapper.take() is None     # the stale load is dropped, not parked
+    monkeypatch.setattr(hot_swap, "load_version", load)
+    assert swapper.check() == first
+    worker.propose([])
+    assert worker.swap_stats()["version"] == first
+
+    worker.pin_version(None)
+    assert swapper.check() == second        # parked ...
+    worker.pin_version(first)               # ... then pinned away before the step: not applied
+    worker.propose([])
+    assert worker.swap_stats()["version"] == first
