@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from cluster import cpu_affinity
 from configs.schema import SpecdConfig
 from workers.engine.build import worker_seeds
 
@@ -38,6 +39,8 @@ def ray_init_kwargs(cfg: SpecdConfig) -> dict[str, Any]:
         if cfg.replay.enabled and cfg.trainer.enabled:
             needed += cfg.trainer.num_cpus      # the online trainer's actor (cluster/trainer_actor.py)
         kwargs["num_cpus"] = max(os.cpu_count() or 1, math.ceil(needed))
+        # workers on the driver's CPUs, not pinned to one by what they inherit (cluster/cpu_affinity.py)
+        kwargs["runtime_env"] = cpu_affinity.runtime_env()
     return kwargs
 
 
