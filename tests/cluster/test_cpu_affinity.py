@@ -69,7 +69,8 @@ ray.shutdown()
 @pytest.mark.skipif(not _IOMP.is_file() or (os.cpu_count() or 1) < 2, reason="needs libiomp5 and 2 CPUs")
 def test_real_ray_workers_under_preloaded_intel_openmp_use_every_cpu() -> None:
     def probe(with_hook: bool) -> tuple[str, str]:
-        out = subprocess.run([sys.executable, "-c", _PROBE.replace("WITH_HOOK", str(with_hook))], capture_output=True,
+        code = _PROBE.replace("WITH_HOOK", str(with_hook))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                              text=True, timeout=240, env={**os.environ, "LD_PRELOAD": str(_IOMP)},
                              cwd=Path(__file__).resolve().parents[2])
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith("WORKER"))
