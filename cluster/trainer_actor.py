@@ -46,7 +46,7 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
     import torch
 
     from drafter_trainer.online import OnlineTrainer
-    from drafter_trainer.online_data import TargetTeacher
+    from drafter_trainer.online_data import TargetTeacher, trainer_dtype
     from drafter_trainer.replay_source import ReplaySource
     from workers.drafters.model import resolve_drafter_dir
     from workers.models.loader import ensure_target_model
@@ -57,8 +57,9 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
     # No socket timeout: XREADGROUP blocks on purpose; a dead server still fails the call.
     client = endpoint.client(socket_timeout=None)
     source = ReplaySource(client, cfg.replay.stream, cfg.trainer.group, cfg.trainer.consumer)
-    teacher = TargetTeacher(target_dir, top_k=cfg.trainer.teacher_topk, device=cfg.trainer.device,
-                            max_seq_len=cfg.target.max_seq_len)
+    teacher = TargetTeacher(target_dir, top_k=cfg.trainer.teacher_topk, device=str(cfg.trainer.device),
+                            max_seq_len=cfg.target.max_seq_len,
+                            dtype=trainer_dtype(str(cfg.trainer.dtype), str(cfg.trainer.device)))
     return OnlineTrainer(cfg.trainer, source, target_dir, base, store_root(cfg), teacher=teacher,
                          seed=cfg.seed)
 

@@ -36,6 +36,7 @@ from drafter_trainer.online_data import (
     is_held_out,
     make_example,
     record_steps,
+    trainer_dtype,
 )
 from drafter_trainer.publish import VersionStore
 from drafter_trainer.replay_source import ReplaySource
@@ -78,7 +79,9 @@ class OnlineTrainer:
         self.store = VersionStore(store_root, keep=cfg.keep_versions)
         self._known_versions: dict[str, bool] = {}     # recorded version -> published in the store
         self.target_checksum = target_checksum(self.target_dir)
-        self.teacher = teacher or TargetTeacher(self.target_dir, top_k=cfg.teacher_topk, device=cfg.device)
+        self.dtype = trainer_dtype(str(cfg.dtype), str(cfg.device))
+        self.teacher = teacher or TargetTeacher(self.target_dir, top_k=cfg.teacher_topk,
+                                                device=str(cfg.device), dtype=self.dtype)
         self.stats = TrainerStats()
         self.monitor = LiveMonitor(cfg.rollback_window_steps, cfg.rollback_margin, cfg.collapse_steps,
                                    cfg.collapse_alpha)
@@ -191,13 +194,17 @@ class OnlineTrainer:
         losses = []
         self.candidate.train(True)
         params = self.candidate.parameters()
+        # Mixed precision: the forward's matmuls in self.dtype, weights, gradients and AdamW state in
+        # float32 (the drafter serves in bfloat16 anyway, drafter.dtype).
+        autocast = torch.autocast(str(self.cfg.device), dtype=self.dtype, enabled=self.dtype != torch.float32)
         for _ in range(steps):
             batch = self.rng.sample(pool, min(self.cfg.batch_records, len(pool)))
-            logits = self.candidate.logits(batch, gen=self.gen)  # [Σ n, V_sub]
+            with autocast:
+                logits = self.candidate.logits(batch, gen=self.gen)  # [Σ n, V_sub]
             p = torch.cat([dense_teacher(e.topk_logprobs, e.topk_ids, self.candidate.vocab_ids,
                                          self.candidate.vocab_size) for e in batch])
             w = torch.cat([e.weights for e in batch])
-            loss = weighted_loss(logits, p, w, self.cfg.divergence, self.cfg.jsd_beta)
+            loss = weighted_loss(logits.float(), p, w, self.cfg.divergence, self.cfg.jsd_beta)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if self.cfg.max_grad_norm > 0:

