@@ -262,17 +262,21 @@ def serving_at_domain_end(rows: list[dict | None], store: Path | None = None,
 def published_events(rows: list[dict | None], store: Path, swap_delay_s: float) -> list[dict]:
     """Each version the trainer published during the stream, at the first request that finished at least
     `swap_delay_s` after it was published: when it served, whether or not the model drafter then drafted
-    (`swap_events` sees only versions that drafted)."""
+    (`swap_events` sees only versions that drafted). `records_seen`: the records the trainer had read when
+    it published the version; the requests finished by then, less that, are how far behind it was."""
     from workers.drafters.versions import VERSIONS_DIR, read_meta
 
     done = sorted((r["done_at"], r["index"]) for r in rows if r and "done_at" in r)
     events = []
     for t, version in _published_times(store):
-        if read_meta(Path(store) / VERSIONS_DIR / version).get("parent_version") is None:
+        meta = read_meta(Path(store) / VERSIONS_DIR / version)
+        if meta.get("parent_version") is None:
             continue                                # the starting drafter, published at start-up
         later = [i for d, i in done if d >= t + swap_delay_s]
         if later:
-            events.append({"index": later[0], "version": version})
+            events.append({"index": later[0], "version": version,
+                           "records_seen": meta.get("records_seen"),
+                           "requests_done": sum(1 for d, _ in done if d <= t)})
     return events
 
 

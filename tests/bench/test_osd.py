@@ -82,11 +82,14 @@ def test_published_events_mark_when_each_trained_version_served(tmp_path) -> Non
 
     rows = [{"index": i, "domain": "gsm8k", "versions": [], "done_at": 1000.0 + 10 * i} for i in range(6)]
     store = _store(tmp_path, {"boot": 900.0, "v2": 1012.0, "v3": 1200.0}, current="v2")
-    for v, parent in (("boot", None), ("v2", "boot"), ("v3", "v2")):
+    for v, parent, seen in (("boot", None, 0), ("v2", "boot", 1), ("v3", "v2", 5)):
         meta = tmp_path / VERSIONS_DIR / v / META_FILE
-        meta.write_text(json.dumps({**json.loads(meta.read_text()), "parent_version": parent}))
-    # v2 published at 1012 (+1 s for whole seconds, +3 s delay): first served by the request done at 1020
-    assert published_events(rows, store, swap_delay_s=3.0) == [{"index": 2, "version": "v2"}]
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "parent_version": parent,
+                                    "records_seen": seen}))
+    # v2 published at 1012 (+1 s for whole seconds, +3 s delay): first served by the request done at 1020;
+    # 2 requests had finished when it was published, of which the trainer had read 1
+    assert published_events(rows, store, swap_delay_s=3.0) == [
+        {"index": 2, "version": "v2", "records_seen": 1, "requests_done": 2}]
 
 
 def test_after_a_rollback_the_version_serving_is_what_drafted_last(tmp_path) -> None:
