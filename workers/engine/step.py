@@ -44,12 +44,47 @@ DRAFTER_PROBE_TIMEOUT_S = 0.5
 # process (the in-process engine; not the router's actors), the next steps do not ask the drafter:
 # its per-step work (commits, suffix lookups, the plan) cost 3-9% of a step at batch 8-16 here, for
 # nothing. The pause starts at PAUSE_STEPS and doubles while the drafter keeps drafting nothing, up to
-# PAUSE_MAX_STEPS; a step that drafts ends it. The paused steps' outcomes reach the drafter together
-# with the next DraftItem.
+# PAUSE_MAX_STEPS; a step that drafts ends it, and so does a smaller batch (what drafting costs and gains
+# turns on the batch: with fewer requests it may pay again). The paused steps' outcomes reach the drafter
+# together with the next DraftItem. A cap of 8 still asked every 9th step, and each ask first catches the
+# drafter up on the steps it missed: at batch 8-16, where nothing drafts, that left specd 1-3% below
+# target-only in `specd bench engine` (README "Goodput-driven γ").
 PAUSE_STEPS = 2
-PAUSE_MAX_STEPS = 8
+PAUSE_MAX_STEPS = 32
 PAUSE_MIN_BATCH = 4
 STEP_TIMES_MAX = 64   # step timings kept for the drafter while it is not asked (more add nothing)
+
+
+class DrafterPause:
+    """When not to ask a colocated drafter (see PAUSE_STEPS): plain logic, kept apart to be tested alone."""
+
+    def __init__(self) -> None:
+        self.remaining = 0                  # steps left that do not ask the drafter
+        self.next = PAUSE_STEPS             # the next pause's length (doubles while nothing drafts)
+        self.batch = 0                      # speculating requests when the pause began
+        self.paused_steps = 0
+
+    def skip(self, speculating: int) -> bool:
+        """Whether this step, with `speculating` requests that would draft, leaves the drafter alone."""
+        if self.remaining > 0 and speculating < self.batch:
+            # The load fell: ask the drafter again now. The backoff stays: if it still drafts nothing,
+            # the next pause is as long as this one would have grown.
+            self.remaining = 0
+        if self.remaining == 0:
+            return False
+        self.remaining -= 1
+        self.paused_steps += 1
+        return True
+
+    def asked(self, proposed: int, drafted: bool, colocated: bool) -> None:
+        """After the drafter was asked for `proposed` requests: a draft ends the backoff; nothing drafted
+        for a batch of at least PAUSE_MIN_BATCH pauses a drafter that shares the target's device."""
+        if drafted:
+            self.next = PAUSE_STEPS
+        elif proposed >= PAUSE_MIN_BATCH and colocated:
+            self.remaining = min(self.next, PAUSE_MAX_STEPS)
+            self.next = min(2 * self.remaining, PAUSE_MAX_STEPS)
+            self.batch = proposed
 
 
 @dataclass
@@ -89,9 +124,11 @@ class SpecStep:
         # (requests, drafted, asked the drafter, wall less verify seconds) of the steps since the last
         # propose, for the goodput policy's host cost (DraftWorker.observe_steps); in-process only
         self._step_times: list[tuple[int, bool, bool, float]] = []
-        self._pause = 0                          # steps left that do not ask the drafter (PAUSE_STEPS)
-        self._next_pause = PAUSE_STEPS           # the next pause's length (doubles while nothing drafts)
-        self.paused_steps = 0
+        self.pause = DrafterPause()
+
+    @property
+    def paused_steps(self) -> int:
+        return self.pause.paused_steps
 
     @classmethod
     async def create(cls, target: TargetHandle, drafter: DrafterHandle | None,
@@ -189,9 +226,7 @@ class SpecStep:
             self.guarded_steps += 1
             skipped = {s.request_id for s in drafting}
             drafting = []
-        elif drafting and self._pause > 0:
-            self._pause -= 1
-            self.paused_steps += 1
+        elif drafting and self.pause.skip(len(drafting)):
             skipped = {s.request_id for s in drafting}
             drafting = []
         proposed = []
@@ -204,13 +239,9 @@ class SpecStep:
             except Exception as exc:
                 self._drafter_failed(exc, [s.request_id for s in drafting])
                 drafting = []
-            if any(d.tokens for d in proposed):
-                self._next_pause = PAUSE_STEPS
-            elif len(proposed) >= PAUSE_MIN_BATCH and self.drafter.mode == "direct":
-                # only a drafter that shares the target's device and thread costs the step its time; an
-                # actor of its own (the router's) works while the target verifies
-                self._pause = min(self._next_pause, PAUSE_MAX_STEPS)
-                self._next_pause = min(2 * self._pause, PAUSE_MAX_STEPS)
+            # only a drafter that shares the target's device and thread costs the step its time; an
+            # actor of its own (the router's) works while the target verifies
+            self.pause.asked(len(proposed), any(d.tokens for d in proposed), self.drafter.mode == "direct")
         asked = {d.request_id for d in proposed}
         plain = [Draft(s.request_id, []) for s in live if s.request_id not in asked]
         drafts = _in_order([*proposed, *plain], ids, "propose")
