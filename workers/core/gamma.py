@@ -348,9 +348,11 @@ class AdaptiveGamma(GammaPolicy):
 
 
 # Seconds of a step before anything was measured: a 30 ms decode step, verify(1 + n) = 30 ms * (1 + 0.07 n)
-# (AdaptiveGamma's slope), a drafter forward 0.1 of a decode step, proportional in the batch. A measured
+# (AdaptiveGamma's slope), a drafter forward 0.1 of a decode step, proportional in the batch, and a context
+# token caught up on about an eighth of a one-row drafter forward (the ratio measured here). A measured
 # profile (workers/engine/profile.py) replaces it; online corrections move it toward measured steps.
-PRIOR_PROFILE = CostProfile(verify={1: [0.03 * (1.0 + 0.07 * n) for n in range(9)]}, draft={1: 0.003})
+PRIOR_PROFILE = CostProfile(verify={1: [0.03 * (1.0 + 0.07 * n) for n in range(9)]}, draft={1: 0.003},
+                            catch_up=0.0004)
 
 
 class GoodputGamma(GammaPolicy):

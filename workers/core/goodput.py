@@ -73,19 +73,22 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 class CostProfile:
     """Measured seconds: verify[b][n-1] = one target forward over b rows of n tokens (n = 1 + drafts);
     draft[b] = one drafter forward over b rows of one token (0 for deterministic drafters); pad_weight:
-    what the longest row of a ragged batch costs beyond the mean (see the module docstring)."""
+    what the longest row of a ragged batch costs beyond the mean (see the module docstring); catch_up:
+    seconds per context token a model drafter takes in before it drafts for a request that did not draft
+    for a while (the tokens committed meanwhile go in a prefill first)."""
 
     verify: dict[int, list[float]]
     draft: dict[int, float] = field(default_factory=dict)
     pad_weight: float = 1.0
     ragged: dict[int, float] = field(default_factory=dict)   # b -> fixed seconds of a ragged forward
+    catch_up: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.verify or any(not row for row in self.verify.values()):
             raise ValueError("a cost profile needs at least one batch size with one measured forward")
         if any(t < 0 for row in self.verify.values() for t in row) or any(t < 0 for t in self.draft.values()):
             raise ValueError("measured seconds must be >= 0")
-        if any(t < 0 for t in self.ragged.values()):
+        if any(t < 0 for t in self.ragged.values()) or self.catch_up < 0:
             raise ValueError("measured seconds must be >= 0")
         if not 0.0 <= self.pad_weight <= 1.0:
             raise ValueError(f"pad_weight must be in [0, 1], got {self.pad_weight}")
@@ -142,6 +145,10 @@ class StepCostModel:
             return 0.0
         per = interpolate(self.draft_batches, [self.draft_table[x] for x in self.draft_batches], b)
         return max(per, 0.0) * depth
+
+    def catch_up_seconds(self, tokens: int) -> float:
+        """What a model drafter's prefill of `tokens` context tokens it has not seen yet costs."""
+        return max(tokens, 0) * self.profile.catch_up
 
     def host_seconds(self, b: int) -> float:
         """What a step over b requests that drafts costs beyond the forwards priced here and beyond a

@@ -26,8 +26,6 @@ from workers.engine.profile import profile_drafter
 from workers.engine.target_worker import resolve_device
 from workers.engine.types import Draft, DraftItem, NewRequest
 
-CATCH_UP_TOKENS = 64     # context tokens a drafter takes in for the cost of about one drafted level
-
 
 @dataclass
 class _DraftRequest:
@@ -114,14 +112,20 @@ class DraftWorker:
         return self._busy
 
     def set_cost_profile(self, verify: dict[int, list[float]], draft: dict[int, float] | None = None,
-                         pad_weight: float = 1.0, ragged: dict[int, float] | None = None) -> None:
+                         pad_weight: float = 1.0, ragged: dict[int, float] | None = None,
+                         catch_up: float | None = None) -> None:
         """The target's measured verify sweep and pad weight (workers/engine/profile.py); draft None times
-        this drafter."""
+        this drafter (its levels and its catch-up per context token; catch_up None keeps the measured one)."""
+        measured = None
         if draft is None:
-            draft = profile_drafter(self.drafter, max_seq_len=self.max_seq_len)
+            measured = profile_drafter(self.drafter, max_seq_len=self.max_seq_len)
+            draft = measured["draft"]
+        if catch_up is None:
+            catch_up = measured["catch_up"] if measured is not None else PRIOR_PROFILE.catch_up
         table = {int(b): list(v) for b, v in verify.items()}
         fixed = {int(b): float(t) for b, t in (ragged or {}).items()}
-        profile = CostProfile(verify=table, draft=draft, pad_weight=pad_weight, ragged=fixed)
+        profile = CostProfile(verify=table, draft=draft, pad_weight=pad_weight, ragged=fixed,
+                              catch_up=catch_up)
         self.costs = StepCostModel(profile)
         self.controller.costs = self.costs
 
@@ -316,13 +320,11 @@ class DraftWorker:
             0.8 * g["predicted"] + 0.2 * self.last_plan.goodput)
 
     def _catch_up_seconds(self, request_id: str) -> float:
-        """What a model draft for this request costs first: its untaken context goes in (a prefill). Each
-        CATCH_UP_TOKENS of it cost about one drafted level of one row (measured here: a prefill of 80 tokens
-        into the 2-layer int8 drafter took ~6 ms, a drafted level ~3 ms)."""
+        """What a model draft for this request costs first: its untaken context goes in (a prefill), priced
+        per token as the start-up profile measured it (workers/engine/profile.py). Only where the drafter
+        shares the target's thread: an actor of its own catches up while the target verifies."""
         pending = self.drafter.pending_context(request_id) if self.colocated else 0
-        if pending <= 0:
-            return 0.0
-        return -(-pending // CATCH_UP_TOKENS) * self.costs.draft_seconds(1, 1)
+        return self.costs.catch_up_seconds(pending)
 
     def _hints(self, planned: list[tuple[DraftItem, _DraftRequest, int]]) -> dict:
         """The drafter's DraftHints for the goodput policy's chain requests (request id -> hint)."""

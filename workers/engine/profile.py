@@ -106,46 +106,78 @@ def _timed_extend(runner, slots: list[int], counts: list[int], repeats: int) -> 
 
 def profile_drafter(
     drafter, batch_sizes: Sequence[int] = (1, 4, 16), prompt_len: int = 64, repeats: int = 2,
-    max_seq_len: int | None = None,
-) -> dict[int, float]:
-    """{b: seconds per drafted level for b rows}: the slope between proposals of depth 3 and depth 1.
+    max_seq_len: int | None = None, catch_up_tokens: int = 32,
+) -> dict:
+    """{"draft": {b: seconds per drafted level for b rows}, "catch_up": seconds per context token}.
+
+    Levels: the slope between proposals of depth 3 and depth 1. Catch-up: what a proposal costs beyond a
+    plain one when each row first takes in `catch_up_tokens` committed tokens it has not seen (a request
+    that did not draft for a while), per token, at the largest batch size; the batched catch-up costs
+    about the same per token at any size. A combined drafter (suffix, hybrid) is timed through its model
+    drafter: its lookups draft for free and would time at zero (the suffix drafter drafts the profile's
+    own repeated tokens), while the model forwards are what the goodput plan must price.
     max_seq_len: the drafter's context; the profile's requests fit in it."""
+    drafter = drafter.weights_drafter or drafter
     table: dict[int, float] = {}
     if max_seq_len is not None:
-        # each timed step commits one token and drafts up to 3 more
+        # each timed level step commits one token and drafts up to 3 more; each catch-up step commits
+        # catch_up_tokens and drafts one (a warm-up and `repeats` timed calls of each)
         prompt_len = max(2, min(prompt_len, max_seq_len - 2 * (repeats + 1) - 4))
-    for b in sorted(set(batch_sizes)):
-        if b <= drafter.max_slots():
-            table[b] = _drafter_level_seconds(drafter, b, prompt_len, repeats)
-    return table
+        catch_up_tokens = min(catch_up_tokens, (max_seq_len - prompt_len - 4) // (repeats + 1) - 2)
+    sizes = [b for b in sorted(set(batch_sizes)) if b <= drafter.max_slots()]
+    for b in sizes:
+        table[b] = _drafter_level_seconds(drafter, b, prompt_len, repeats)
+    catch_up = 0.0
+    if sizes and drafter.weights_drafter is not None and catch_up_tokens >= 2:
+        catch_up = _drafter_catch_up_seconds(drafter, sizes[-1], prompt_len, repeats, catch_up_tokens)
+    return {"draft": table, "catch_up": catch_up}
+
+
+def _hidden_size(drafter) -> int | None:
+    inner = getattr(drafter, "model", None)
+    return getattr(drafter, "hidden_size", None) or getattr(inner, "hidden_size", None)
+
+
+def _profile_requests(drafter, b: int, prompt_len: int, name: str) -> list[str]:
+    """b scratch requests with the same prompt (and zero hidden states for a drafter that reads them)."""
+    ids = [f"{SCRATCH_PREFIX}profile-{name}-{i}" for i in range(b)]
+    prompt = [(7 * k) % 97 + 1 for k in range(prompt_len)]
+    for rid in ids:
+        hidden = drafter.uses_target_hidden
+        extra = {"hidden": torch.zeros(prompt_len - 1, _hidden_size(drafter))} if hidden else {}
+        drafter.add_request(rid, prompt, seed=0, **extra)
+    return ids
+
+
+def _reject_and_commit(drafter, ids: list[str], depth: int, tokens: int) -> None:
+    """Propose `depth` per row, then reject everything: the drafter rolls back and takes `tokens` target
+    tokens, which it reads at its next proposal."""
+    drafter.propose(ids, [depth] * len(ids), [SamplingParams() for _ in ids])
+    for rid in ids:
+        extra = {"hidden": torch.zeros(tokens, _hidden_size(drafter))} if drafter.uses_target_hidden else {}
+        drafter.commit(rid, 0, [5] * tokens, **extra)
 
 
 def _drafter_level_seconds(drafter, b: int, prompt_len: int, repeats: int) -> float:
-    hidden_size = getattr(drafter, "hidden_size", None) or getattr(
-        getattr(drafter, "model", None), "hidden_size", None
-    )
-    ids = [f"{SCRATCH_PREFIX}profile-{i}" for i in range(b)]
-    prompt = [(7 * k) % 97 + 1 for k in range(prompt_len)]
-    params = [SamplingParams() for _ in ids]
-    hidden = drafter.uses_target_hidden
-
-    def step(depth: int) -> None:
-        # propose, then reject everything: the drafter rolls back and takes one target token
-        drafter.propose(ids, [depth] * b, params)
-        for rid in ids:
-            extra = {"hidden": torch.zeros(1, hidden_size, device="cpu")} if hidden else {}
-            drafter.commit(rid, 0, [5], **extra)
-
-    for rid in ids:
-        extra = {"hidden": torch.zeros(prompt_len - 1, hidden_size, device="cpu")} if hidden else {}
-        drafter.add_request(rid, prompt, seed=0, **extra)
+    ids = _profile_requests(drafter, b, prompt_len, "level")
     try:
-        one = _timed(lambda: step(1), repeats)
-        three = _timed(lambda: step(3), repeats)
+        one = _timed(lambda: _reject_and_commit(drafter, ids, 1, 1), repeats)
+        three = _timed(lambda: _reject_and_commit(drafter, ids, 3, 1), repeats)
     finally:
         for rid in ids:
             drafter.remove_request(rid)
     return max((three - one) / 2, 0.0)
+
+
+def _drafter_catch_up_seconds(drafter, b: int, prompt_len: int, repeats: int, tokens: int) -> float:
+    ids = _profile_requests(drafter, b, prompt_len, "catch-up")
+    try:
+        plain = _timed(lambda: _reject_and_commit(drafter, ids, 1, 1), repeats)
+        behind = _timed(lambda: _reject_and_commit(drafter, ids, 1, tokens), repeats)
+    finally:
+        for rid in ids:
+            drafter.remove_request(rid)
+    return max((behind - plain) / (b * (tokens - 1)), 0.0)
 
 
 def _sync(runner) -> None:

@@ -260,3 +260,19 @@ def test_one_slow_draft_does_not_raise_the_drafter_cost() -> None:
     costs.observe_draft(4, 2, 6 * draft)
     costs.observe_draft(4, 2, 6 * draft)  # 3x per level, twice in a row
     assert costs.draft_seconds(4, 1) == pytest.approx(2 * draft)
+
+
+def test_catching_up_on_a_long_context_is_priced_per_token() -> None:
+    """A request that did not draft for a while must first feed the drafter what it missed: at a measured
+    cost per context token, a short catch-up still pays for a good draft and a long one does not."""
+    profile = CostProfile(verify=flat_profile().verify, draft=flat_profile().draft, catch_up=0.001)
+    costs = StepCostModel(profile)
+    assert costs.catch_up_seconds(40) == pytest.approx(0.04)
+    assert costs.catch_up_seconds(0) == 0.0
+    controller = GoodputController(costs)
+    short = Slot(Acceptance([0.8], 8), max_depth=8, setup_seconds=costs.catch_up_seconds(2))
+    long = Slot(Acceptance([0.8], 8), max_depth=8, setup_seconds=costs.catch_up_seconds(400))
+    assert controller.plan([short]).depths[0] >= 4
+    assert controller.plan([long]).depths == [0]
+    with pytest.raises(ValueError):
+        CostProfile(verify=flat_profile().verify, catch_up=-0.001)

@@ -22,3 +22,25 @@ def test_seed_at_the_top_of_the_uint64_range_drafts(drafter):
         runs.append(drafter.propose([rid], [4], [sampled]).tokens[0])
         drafter.remove_request(rid)
     assert len(runs[0]) == 4 and runs[0] == runs[1]  # seeded: reproducible
+
+
+def test_catch_up_batches_feeds_of_alike_length(tiny_llama_dir, monkeypatch):
+    """Feeds a drafter has not taken in go in one forward when short, and in prefills of alike lengths
+    when long (requests that stopped drafting together come back together), never one per request."""
+    drafter = ModelDrafter(tiny_llama_dir, max_slots=4, max_seq_len=64, pack="none")
+    calls = []
+    prefill = drafter.runner.prefill
+
+    def counted(slots, prompts, **kwargs):
+        calls.append(sorted(len(p) for p in prompts))
+        return prefill(slots, prompts, **kwargs)
+
+    monkeypatch.setattr(drafter.runner, "prefill", counted)
+    committed = {"short": 2, "a": 17, "b": 19, "long": 47}   # feeds of 5, 20, 22 and 50 tokens
+    for rid, n in committed.items():
+        drafter.add_request(rid, [3, 4, 5], seed=0)
+        drafter.commit(rid, 0, [6 + k % 7 for k in range(n)])
+        assert drafter.pending_context(rid) == 3 + n - 1
+    out = drafter.propose(list(committed), [2] * 4, [SamplingParams()] * 4)
+    assert sorted(calls) == [[4], [19, 21], [49]]
+    assert [len(t) for t in out.tokens] == [2] * 4

@@ -129,3 +129,22 @@ def test_pad_weight_from_a_ragged_forward() -> None:
     assert _pad_weight(row, 0.01 * 6, 4, 9) == pytest.approx(0.5)
     noisy = [0.05, 0.04, 0.05, 0.05, 0.05, 0.06, 0.05, 0.07, 0.07]  # timing noise, repeated values
     assert 0.0 <= _pad_weight(noisy, 0.055, 4, 9) <= 1.0
+
+
+def test_a_combined_drafter_is_profiled_through_its_model(cfg, target):
+    """The suffix drafter drafts the profile's own repeated tokens from its index for free: timed as
+    itself it priced its model's forwards and catch-ups at zero. The profile times the model drafter
+    inside it; a lookup-only drafter stays free."""
+    from workers.engine.profile import profile_drafter
+
+    cfg.drafter.kind = "suffix"
+    cfg.drafter.suffix_with_model = True
+    combined = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir)).drafter
+    measured = profile_drafter(combined, batch_sizes=(1, 4), max_seq_len=256)
+    assert sorted(measured["draft"]) == [1, 4] and min(measured["draft"].values()) > 0
+    assert measured["catch_up"] > 0
+    assert not combined.requests and not combined.model.seqs      # the profile's requests are gone
+    cfg.drafter.kind = "ngram"
+    lookup = profile_drafter(DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir)).drafter,
+                             batch_sizes=(1, 4), max_seq_len=256)
+    assert lookup["catch_up"] == 0.0
