@@ -172,12 +172,18 @@ class SpecConfig:
     # fixed | egag | confidence | adaptive | goodput. goodput (default) picks γ per request and step for
     # the batch's tokens/s, 0 where drafting cannot pay (a cost model can err: see guard_window_steps).
     policy: GammaPolicyName = GammaPolicyName.goodput
-    # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row)
-    goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
+    # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row); measured
+    # steps correct the nearest one (without 8, batch-8 steps corrected the batch-4 row)
+    goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     goodput_prior: float = 0.6          # goodput: acceptance per position assumed before any is measured
     # Decode steps per window of the speculation guard (workers/core/guard.py): windows with speculation
     # allowed and not are timed, and the slower mode runs only as a probe. 0 = off (the γ policy alone)
     guard_window_steps: int = 32
+    # The in-process engine (`specd bench engine`, the demo) runs the guard too. Off by default: there the
+    # drafter works in the target's thread, where the goodput cost model times it directly, and the
+    # guard's plain windows gave back what drafting gained (batch 4, 64 prompts: 1.13x and 1.06x without
+    # it, 1.01x with it); the router's drafter is an actor of its own, which the cost model cannot see.
+    guard_in_process: bool = False
     tree_width: int = 1                 # 1 = chain
     tree_width_max: int = 4             # widest token tree a request may ask for
     egag_threshold: float = 0.6         # egag policy: stop drafting when the drafter's entropy exceeds this

@@ -192,7 +192,8 @@ class FakeDrafter:
             self.running[r.request_id] = [*r.prompt_token_ids, *first]
             self.last_draft[r.request_id] = []
 
-    def propose(self, items: list[DraftItem], last_verify=None, step_times=None) -> list[Draft]:
+    def propose(self, items: list[DraftItem], last_verify=None, step_times=None,
+                plain_verifies=None) -> list[Draft]:
         self.tracker.enter("drafter", "propose", [i.request_id for i in items])
         try:
             t0 = time.perf_counter()

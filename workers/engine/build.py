@@ -45,4 +45,4 @@ def build_engine(
         drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=drafter_seed,
                               cache_dir=cfg.cache_dir)
     return SpecEngine(target, drafter, max_running=max_running,
-                      guard_window_steps=cfg.spec.guard_window_steps)
+                      guard_window_steps=cfg.spec.guard_window_steps if cfg.spec.guard_in_process else 0)

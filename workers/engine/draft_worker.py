@@ -221,13 +221,17 @@ class DraftWorker:
             self.positions = self._fresh_positions()
 
     def propose(self, items: list[DraftItem], last_verify: tuple | None = None,
-                step_times: list[tuple[int, bool, bool, float]] | None = None) -> list[Draft]:
+                step_times: list[tuple[int, bool, bool, float]] | None = None,
+                plain_verifies: list[tuple[int, float]] | None = None) -> list[Draft]:
         """last_verify: (rows, seconds, emitted) of the previous verify of this batch (see observe_verify);
-        step_times: see observe_steps."""
+        step_times: see observe_steps; plain_verifies: (requests, seconds) of the one-token verifies of
+        steps since then that did not ask this worker."""
         t0 = time.perf_counter()
         self._apply_pending_swap()
         if last_verify is not None:
             self.observe_verify(*last_verify)
+        for b, seconds in plain_verifies or ():     # they came after it
+            self.costs.observe_verify([1] * b, seconds)
         if step_times:
             self.observe_steps(step_times)
         planned = []

@@ -103,8 +103,9 @@ class DrafterHandle(_Handle):
         await self._call(self.worker.start, requests, first_tokens, prompt_hidden)
 
     async def propose(self, items: list[DraftItem], last_verify: tuple | None = None,
-                      step_times: list | None = None) -> list[Draft]:
-        return await self._call(self.worker.propose, items, last_verify=last_verify, step_times=step_times)
+                      step_times: list | None = None, plain_verifies: list | None = None) -> list[Draft]:
+        return await self._call(self.worker.propose, items, last_verify=last_verify, step_times=step_times,
+                                plain_verifies=plain_verifies)
 
     async def cost_profile_request(self) -> dict | None:
         return await self._call(self.worker.cost_profile_request)

@@ -48,10 +48,13 @@ DRAFTER_PROBE_TIMEOUT_S = 0.5
 # turns on the batch: with fewer requests it may pay again). The paused steps' outcomes reach the drafter
 # together with the next DraftItem. The cap was 8 (an ask every 9th step, each first catching the
 # drafter up on the steps it missed); 32 measured no different within this CPU's noise (README
-# "Goodput-driven γ"), and asks fewer times for nothing.
+# "Goodput-driven γ"), and asks fewer times for nothing. PAUSE_MIN_BATCH was 4: once the model
+# drafter's forwards and catch-ups were priced (they had been free), asks at batch 4 drafted nothing more
+# often, and the pauses skipped the suffix matches that pay there (GSM8K, 64 prompts: 499 of ~750 steps
+# paused, 1.01x; an ask costs ~3 ms of a 33 ms step there, 5 ms of a 61 ms one at batch 16).
 PAUSE_STEPS = 2
 PAUSE_MAX_STEPS = 32
-PAUSE_MIN_BATCH = 4
+PAUSE_MIN_BATCH = 8
 STEP_TIMES_MAX = 64   # step timings kept for the drafter while it is not asked (more add nothing)
 
 
@@ -124,6 +127,11 @@ class SpecStep:
         # (requests, drafted, asked the drafter, wall less verify seconds) of the steps since the last
         # propose, for the goodput policy's host cost (DraftWorker.observe_steps); in-process only
         self._step_times: list[tuple[int, bool, bool, float]] = []
+        # (requests, verify seconds) of plain steps that did not ask the drafter (paused, guarded): the
+        # cost model's one-token price follows them too, not only the steps that asked. The profile runs
+        # at short contexts and prices a step at real ones low (batch 8, HumanEval: 7% for a whole run,
+        # observed by only the few steps that asked), which made drafting look relatively cheaper.
+        self._plain_verifies: list[tuple[int, float]] = []
         self.pause = DrafterPause()
 
     @property
@@ -234,8 +242,9 @@ class SpecStep:
             items = [s.next_draft_item() for s in drafting]
             try:
                 proposed = await self.drafter.propose(items, last_verify=self._last_verify,
-                                                      step_times=self._step_times or None)
-                self._step_times = []
+                                                      step_times=self._step_times or None,
+                                                      plain_verifies=self._plain_verifies or None)
+                self._step_times, self._plain_verifies = [], []
             except Exception as exc:
                 self._drafter_failed(exc, [s.request_id for s in drafting])
                 drafting = []
@@ -250,6 +259,8 @@ class SpecStep:
             rows = [1 + len(d.tokens) for d in drafts]
             emitted = sum(len(r.new_tokens) for r in results)
             self._last_verify = (rows, results[0].verify_seconds, emitted)
+        elif skipped and len(self._plain_verifies) < STEP_TIMES_MAX:
+            self._plain_verifies.append((len(live), results[0].verify_seconds))
         outcomes = []
         for seq, draft, result in zip(live, drafts, results, strict=True):
             version = draft.drafter_version if result.num_drafted else None

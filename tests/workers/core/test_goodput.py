@@ -112,7 +112,9 @@ def test_online_correction_moves_toward_measured() -> None:
     for _ in range(20):
         costs.observe_verify([3, 3, 3, 3], 4 * before)
     assert costs.verify_seconds(4, 3) == pytest.approx(4 * before, rel=0.01)
+    assert costs.verify_seconds(4, 1) == pytest.approx(flat_profile().verify[4][0])   # plain: as profiled
     costs.observe_draft(4, 2, 0.1)
+    costs.observe_draft(4, 2, 0.1)   # twice in a row: see test_one_slow_draft_does_not_raise_the_drafter_cost
     assert costs.draft_seconds(4, 1) > flat_profile().draft[4]
 
 
@@ -276,3 +278,16 @@ def test_catching_up_on_a_long_context_is_priced_per_token() -> None:
     assert controller.plan([long]).depths == [0]
     with pytest.raises(ValueError):
         CostProfile(verify=flat_profile().verify, catch_up=-0.001)
+
+
+def test_drafting_verifies_never_raise_the_plain_one_token_price() -> None:
+    """Rows averaging under 1.5 tokens (one request of four drafting one token) round to the one-token
+    cell; what drafting cost beyond the table must land on a drafting cell, or plain decoding looks
+    dearer and drafting cheaper than they are."""
+    costs = StepCostModel(flat_profile(), beta=0.5)
+    plain, one_draft = costs.verify_seconds(4, 1), costs.step_seconds([2, 1, 1, 1], [1, 0, 0, 0])
+    for _ in range(20):
+        costs.observe_verify([2, 1, 1, 1], 2 * costs.verify_seconds(4, costs._tokens_per_row([2, 1, 1, 1])))
+        costs.observe_verify([2, 1, 1, 1], 2 * one_draft)
+    assert costs.verify_seconds(4, 1) == pytest.approx(plain)
+    assert costs.step_seconds([2, 1, 1, 1], [1, 0, 0, 0]) > 1.5 * one_draft
