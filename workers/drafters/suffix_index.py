@@ -13,8 +13,12 @@ frequent child; a tree keeps up to `width` children per node and `max_nodes` nod
 draft is Σ over its nodes of their path probability: the expected number of accepted tokens if the index's
 frequencies were the target's probabilities, which is how SuffixDecoding ranks candidates.
 
-Plain python. Nodes use __slots__ and hold a single child inline (most trie nodes have one); README gives
-measured bytes per node.
+Plain python. A node is an id into two lists (its count, its children), not an object: the children are
+None, one int packing (token, child) (most nodes have one child), or a {token: child} dict, and neither
+ints nor dicts of ints are objects the garbage collector tracks, so a full collection does not walk the
+index (as objects, 0.2-0.6 s a collection at 0.3-0.8 M nodes, 1-2% of an engine benchmark cell at batch
+8-16, and a stall of that length in serving). Ids of removed nodes are reused. README gives measured
+bytes per node.
 """
 
 from __future__ import annotations
@@ -22,56 +26,71 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+SHIFT = 1 << 32   # a single child is kept as token * SHIFT + child id (ids stay below 2**32)
 
-class _Node:
-    __slots__ = ("count", "kids", "tok")
+
+class _Trie:
+    """Nodes 0.. (0 is the root): count[n], and kids[n] = None, token * SHIFT + child, or {token: child}."""
+
+    __slots__ = ("count", "kids", "free")
 
     def __init__(self) -> None:
-        self.count = 0
-        # None, the single child (its token in `tok`), or {token: node}. A single child is held in the
-        # node itself, not in a (token, node) tuple: every tuple that holds a node is an object the
-        # garbage collector tracks, and a full collection walks them all (0.2-0.6 s per collection at
-        # 0.4-0.8 M tracked objects, 1-2% of an engine benchmark cell at batch 8-16).
-        self.kids: _Node | dict[int, _Node] | None = None
-        self.tok = -1
+        self.count: list[int] = [0]
+        self.kids: list[int | dict[int, int] | None] = [None]
+        self.free: list[int] = []       # ids of removed nodes, reused first
 
-    def child(self, token: int) -> _Node | None:
-        kids = self.kids
-        if kids is None:
-            return None
-        if type(kids) is _Node:
-            return kids if self.tok == token else None
-        return kids.get(token)
+    def new(self) -> int:
+        if self.free:
+            node = self.free.pop()
+            self.count[node], self.kids[node] = 0, None
+            return node
+        self.count.append(0)
+        self.kids.append(None)
+        return len(self.count) - 1
 
-    def add_child(self, token: int) -> _Node:
-        node = _Node()
-        kids = self.kids
+    def child(self, node: int, token: int) -> int:
+        """The child of `node` along `token`, or -1."""
+        kids = self.kids[node]
         if kids is None:
-            self.kids, self.tok = node, token
-        elif type(kids) is _Node:
-            self.kids, self.tok = {self.tok: kids, token: node}, -1
+            return -1
+        if type(kids) is int:
+            return kids % SHIFT if kids // SHIFT == token else -1
+        return kids.get(token, -1)
+
+    def add_child(self, node: int, token: int) -> int:
+        child = self.new()
+        kids = self.kids[node]
+        if kids is None:
+            self.kids[node] = token * SHIFT + child
+        elif type(kids) is int:
+            self.kids[node] = {kids // SHIFT: kids % SHIFT, token: child}
         else:
-            kids[token] = node
-        return node
+            kids[token] = child
+        return child
 
-    def drop_child(self, token: int) -> None:
-        kids = self.kids
-        if type(kids) is _Node:
-            if self.tok == token:
-                self.kids, self.tok = None, -1
-        elif kids is not None:
-            kids.pop(token, None)
+    def drop_child(self, node: int, token: int) -> None:
+        """Unlink the child along `token`; its id is reused by a later new() (its own entries stay until
+        then, so a removal walk still reaches its descendants through it)."""
+        kids = self.kids[node]
+        if type(kids) is int:
+            if kids // SHIFT == token:
+                self.kids[node] = None
+                self.free.append(kids % SHIFT)
+        elif kids is not None and token in kids:
+            self.free.append(kids.pop(token))
             if len(kids) == 1:
-                self.tok, self.kids = next(iter(kids.items()))
+                (tok, only), = kids.items()
+                self.kids[node] = tok * SHIFT + only
 
-    def children(self) -> list[tuple[int, _Node]]:
-        """(token, node) pairs, most frequent first (ties: smaller token id first, so drafts are stable)."""
-        kids = self.kids
+    def children(self, node: int) -> list[tuple[int, int]]:
+        """(token, child) pairs, most frequent first (ties: smaller token id first, so drafts are stable)."""
+        kids = self.kids[node]
         if kids is None:
             return []
-        if type(kids) is _Node:
-            return [(self.tok, kids)]
-        return sorted(kids.items(), key=lambda kv: (-kv[1].count, kv[0]))
+        if type(kids) is int:
+            return [(kids // SHIFT, kids % SHIFT)]
+        count = self.count
+        return sorted(kids.items(), key=lambda kv: (-count[kv[1]], kv[0]))
 
 
 @dataclass
@@ -111,8 +130,8 @@ class _Drafting:
     ) -> SuffixDraft:
         """The most probable continuation tree of the longest match: ≤ depth levels, ≤ width children per
         node, ≤ max_nodes nodes (default depth × width), each node's path probability ≥ min_prob."""
-        node, matched = self._below_match(context, depth, max_match, min_match)
-        return _grow(node, matched, depth, self.max_depth, width, max_nodes, min_prob)
+        trie, node, matched = self._below_match(context, depth, max_match, min_match)
+        return _grow(trie, node, matched, depth, self.max_depth, width, max_nodes, min_prob)
 
 
 class SuffixIndex(_Drafting):
@@ -120,7 +139,8 @@ class SuffixIndex(_Drafting):
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
         self.max_depth = max_depth
-        self.root = _Node()
+        self.trie = _Trie()
+        self.root = 0
         self.num_nodes = 0
 
     # ---- building -------------------------------------------------------------------------------
@@ -136,7 +156,7 @@ class SuffixIndex(_Drafting):
         (None to start a sequence). extend(a) then extend(b, state) indexes exactly what add(a + b) does."""
         return self._walk(tokens, +1, active or [])
 
-    def _walk(self, tokens: list[int], sign: int, active: list[_Node]) -> list[_Node]:
+    def _walk(self, tokens: list[int], sign: int, active: list[int]) -> list[int]:
         # active: nodes of the substrings ending at the previous token, shortest first
         if sign > 0:
             return self._add_walk(tokens, active)
@@ -144,79 +164,91 @@ class SuffixIndex(_Drafting):
             active = [self.root, *active[: self.max_depth - 1]]
             stepped = []
             for parent in active:
-                node = self._bump(parent, token, sign)
-                if node is not None:
+                node = self._drop_one(parent, token)
+                if node >= 0:
                     stepped.append(node)
             active = stepped
         return active
 
-    def _add_walk(self, tokens: list[int], active: list[_Node]) -> list[_Node]:
+    def _add_walk(self, tokens: list[int], active: list[int]) -> list[int]:
         """_walk with sign +1, inlined: it runs for every served token (max_depth node updates each), and
         function calls per node made it most of the suffix drafter's cost per step at batch 16."""
-        keep, root, created = self.max_depth - 1, self.root, 0
+        keep, trie, created = self.max_depth - 1, self.trie, 0
+        count, kids, new = trie.count, trie.kids, trie.new
         for token in tokens:
             stepped = []
-            for parent in (root, *active[:keep]):
-                kids = parent.kids
-                if kids is None:
-                    node = _Node()
-                    parent.kids, parent.tok = node, token
+            for parent in (self.root, *active[:keep]):
+                below = kids[parent]
+                if below is None:
+                    node = new()
+                    kids[parent] = token * SHIFT + node
                     created += 1
-                elif type(kids) is _Node:
-                    if parent.tok == token:
-                        node = kids
+                elif type(below) is int:
+                    if below // SHIFT == token:
+                        node = below % SHIFT
                     else:
-                        node = _Node()
-                        parent.kids, parent.tok = {parent.tok: kids, token: node}, -1
+                        node = new()
+                        kids[parent] = {below // SHIFT: below % SHIFT, token: node}
                         created += 1
                 else:
-                    node = kids.get(token)
-                    if node is None:
-                        node = kids[token] = _Node()
+                    node = below.get(token, -1)
+                    if node < 0:
+                        node = below[token] = new()
                         created += 1
-                node.count += 1
+                count[node] += 1
                 stepped.append(node)
             active = stepped
         self.num_nodes += created
         return active
 
-    def _bump(self, parent: _Node, token: int, sign: int) -> _Node | None:
-        node = parent.child(token)
-        if node is None:
-            if sign < 0:
-                return None  # already gone with an ancestor: nothing of this path is left to count
-            node = parent.add_child(token)
-            self.num_nodes += 1
-        node.count += sign
-        if node.count <= 0:
-            parent.drop_child(token)
+    def _drop_one(self, parent: int, token: int) -> int:
+        """One occurrence less of parent's child along token (unlinked at 0); -1 when it is gone already
+        (with an ancestor: nothing of this path is left to count)."""
+        node = self.trie.child(parent, token)
+        if node < 0:
+            return -1
+        self.trie.count[node] -= 1
+        if self.trie.count[node] <= 0:
+            self.trie.drop_child(parent, token)
             self.num_nodes -= 1
         return node
 
     # ---- drafting -------------------------------------------------------------------------------
-    def match(self, context: list[int], max_match: int, min_match: int = 1) -> tuple[_Node | None, int]:
+    def count(self, pattern: list[int]) -> int:
+        """Occurrences of `pattern` in the indexed sequences (0 when absent or longer than max_depth)."""
+        node = self.root
+        for token in pattern:
+            node = self.trie.child(node, token)
+            if node < 0:
+                return 0
+        return self.trie.count[node]
+
+    def match(self, context: list[int], max_match: int, min_match: int = 1) -> tuple[int | None, int]:
         """Node of the longest suffix of context (min_match..max_match tokens) that has a continuation."""
         longest = min(max_match, len(context), self.max_depth - 1)
-        found: list[_Node] = []
+        found: list[int] = []
+        child = self.trie.child
         for k in range(1, longest + 1):
             node = self.root
             for token in context[len(context) - k:]:
-                node = node.child(token)
-                if node is None:
+                node = child(node, token)
+                if node < 0:
                     break
-            if node is None:
+            if node < 0:
                 break  # a longer suffix contains this one, so it cannot be in the trie either
             found.append(node)
         for k in range(len(found), min_match - 1, -1):
-            if found[k - 1].kids is not None:
+            if self.trie.kids[found[k - 1]] is not None:
                 return found[k - 1], k
         return None, 0
 
     def _below_match(self, context: list[int], depth: int, max_match: int, min_match: int):
-        return self.match(context, max_match, min_match)
+        node, matched = self.match(context, max_match, min_match)
+        return self.trie, node, matched
 
-def _grow(node: _Node | None, matched: int, depth: int, max_depth: int, width: int, max_nodes: int | None,
-          min_prob: float) -> SuffixDraft:
+
+def _grow(trie: _Trie, node: int | None, matched: int, depth: int, max_depth: int, width: int,
+          max_nodes: int | None, min_prob: float) -> SuffixDraft:
     """Grow the draft below the match node best-first (see SuffixIndex.draft)."""
     out = SuffixDraft(match=matched)
     if node is None or depth <= 0:
@@ -226,7 +258,7 @@ def _grow(node: _Node | None, matched: int, depth: int, max_depth: int, width: i
     depth = min(depth, max_depth - matched)
     order = 0  # tie-break: earlier pushes first, so drafts are deterministic
     heap: list = []
-    for tok, child, p in _ranked(node, width, 1.0):
+    for tok, child, p in _ranked(trie, node, width, 1.0):
         heapq.heappush(heap, (-p, order := order + 1, tok, child, 0, 1))
     while heap and len(out.tokens) < budget:
         neg_p, _, tok, child, parent, level = heapq.heappop(heap)
@@ -238,15 +270,15 @@ def _grow(node: _Node | None, matched: int, depth: int, max_depth: int, width: i
         out.score += -neg_p
         if level < depth:
             here = len(out.tokens)
-            for t, c, p in _ranked(child, width, -neg_p):
+            for t, c, p in _ranked(trie, child, width, -neg_p):
                 heapq.heappush(heap, (-p, order := order + 1, t, c, here, level + 1))
     return out
 
 
-def _ranked(node: _Node, width: int, path_p: float) -> list[tuple[int, _Node, float]]:
-    kids = node.children()
-    total = sum(c.count for _, c in kids)
-    return [(t, c, path_p * c.count / total) for t, c in kids[:width]] if total else []
+def _ranked(trie: _Trie, node: int, width: int, path_p: float) -> list[tuple[int, int, float]]:
+    kids = trie.children(node)
+    total = sum(trie.count[c] for _, c in kids)
+    return [(t, c, path_p * trie.count[c] / total) for t, c in kids[:width]] if total else []
 
 
 class ContextIndex(_Drafting):
@@ -294,11 +326,12 @@ class ContextIndex(_Drafting):
         continuations of the match's occurrences."""
         ends, matched = self.match(context, max_match, min_match)
         if not ends or depth <= 0:
-            return None, matched
-        root, span = _Node(), min(depth, self.max_depth - matched)
+            return None, None, matched
+        trie, span = _Trie(), min(depth, self.max_depth - matched)
         for end in ends:
-            node = root
+            node = 0
             for token in self.tokens[end + 1 : end + 1 + span]:
-                node = node.child(token) or node.add_child(token)
-                node.count += 1
-        return root, matched
+                below = trie.child(node, token)
+                node = below if below >= 0 else trie.add_child(node, token)
+                trie.count[node] += 1
+        return trie, 0, matched
