@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
 from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
 from workers.drafters.registry import drafter_class
+from workers.engine.gc_freeze import freeze_loaded_objects
 from workers.engine.host_memory import keep_freed_memory
 from workers.engine.profile import profile_drafter
 from workers.engine.target_worker import resolve_device
@@ -97,6 +98,7 @@ class DraftWorker:
         # catch-up prefills then add to the step's time and the goodput plan charges them
         self.colocated = False
         self._swapper = None
+        freeze_loaded_objects()     # the drafter and its imports stay out of every full collection
 
     def version(self) -> str:
         return self.drafter.version

@@ -28,6 +28,7 @@ from workers.core.sampling import (
 from workers.core.tree import TokenTree
 from workers.core.verify_chain import verify_chain
 from workers.core.verify_tree import verify_trees
+from workers.engine.gc_freeze import freeze_loaded_objects
 from workers.engine.host_memory import keep_freed_memory
 from workers.engine.profile import profile_verify
 from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
@@ -73,6 +74,7 @@ class TargetWorker:
         # Unseeded requests draw from this worker's own stream (not torch's global one), so replicas,
         # seeded apart by cluster/actors.py, never draw the same numbers.
         self.unseeded = make_generator(seed)
+        freeze_loaded_objects()     # the model and its imports stay out of every full collection
 
     # ---- introspection -------------------------------------------------------------------------
     def info(self) -> dict:
