@@ -64,7 +64,7 @@ def bootstrap_prompts(from_offline: bool) -> frozenset[tuple[str, int]]:
 
     cfg = BootstrapConfig() if from_offline else BootstrapConfig.quick()
     limit = max(cfg.num_prompts, cfg.hidden_num_prompts or 0)
-    return frozenset((p.source, p.index) for p in load_prompts("train", limit=limit))
+    return frozenset((p.source, p.index) for p in load_prompts("train", cfg.sources, limit=limit))
 
 
 async def run_stream(
@@ -148,7 +148,7 @@ def swap_events(rows: list[dict | None]) -> list[dict]:
 
 def heldout_acceptance(
     overrides: list[str], store: Path | None, per_domain: int, max_new_tokens: int,
-    after: dict[str, str] | None = None, gamma: int = 3,
+    after: dict[str, str] | None = None, gamma: int = 3, domains: tuple[str, ...] = DOMAINS,
 ) -> dict[str, dict[str, Any]]:
     """{domain: {"before", "after", "after_version", "final"}}: α on eval prompts, in process, with the
     starting drafter (`before`), with `after[domain]` (the version serving when that domain's stream
@@ -175,7 +175,7 @@ def heldout_acceptance(
     tokenizer = load_tokenizer(target.model_dir)
     spec = replace(SpecParams.from_config(cfg.spec, enabled=True), policy="fixed", tree_width=1, gamma=gamma)
     prompts = {
-        d: [encode_prompt(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in DOMAINS
+        d: [encode_prompt(tokenizer, p) for _, p in stream_prompts((d,), per_domain, "eval")] for d in domains
     }
 
     def measure(into: dict[str, Any], key: str, domain: str) -> None:
@@ -186,7 +186,8 @@ def heldout_acceptance(
         stats = [s.stats for s in engine.generate(reqs, ignore_eos=True)]
         into[key] = _ratio(sum(s.accepted for s in stats), sum(s.drafted for s in stats))
         first = [s for s in stats if s.drafted_per_position]
-        into[f"{key}_first"] = _ratio(sum(s.accepted_per_position[0] for s in first),
+        # accepted_per_position grows only as far as a step accepted: empty where nothing was
+        into[f"{key}_first"] = _ratio(sum((s.accepted_per_position or [0])[0] for s in first),
                                       sum(s.drafted_per_position[0] for s in first))
 
     def serve_version(version: str | None) -> str:
@@ -196,19 +197,19 @@ def heldout_acceptance(
         drafter.propose([])
         return drafter.version()
 
-    result: dict[str, dict[str, Any]] = {d: {} for d in DOMAINS}
-    for d in DOMAINS:
+    result: dict[str, dict[str, Any]] = {d: {} for d in domains}
+    for d in domains:
         measure(result[d], "before", d)
     if store is None or not (store / "CURRENT").is_file():
         return result
     drafter.watch_versions(str(store), str(target.model_dir), poll_s=3600)
     drafter._swapper.stop()   # only serve_version's checks below: the thread's first one loaded CURRENT
-    for d in DOMAINS:
+    for d in domains:
         if after and after.get(d):
             result[d]["after_version"] = serve_version(after[d])
             measure(result[d], "after", d)
     final = serve_version(None)
-    for d in DOMAINS:
+    for d in domains:
         result[d]["final_version"] = final
         measure(result[d], "final", d)
         if "after" not in result[d]:

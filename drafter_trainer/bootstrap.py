@@ -48,7 +48,7 @@ from drafter_trainer.teacher import (
     cache_root,
     collect_teacher_data,
 )
-from workers.prompts import SOURCES
+from workers.prompts import GENERAL_SOURCES, SOURCES
 
 
 @dataclass
@@ -96,9 +96,12 @@ class BootstrapConfig:
 
     @classmethod
     def quick(cls, **overrides: Any) -> BootstrapConfig:
-        """Small enough for CI on 2 CPU cores (a couple of minutes) and still a valid drafter."""
+        """Small enough for a first start on 2 CPU cores (a couple of minutes) and still a valid drafter.
+
+        It learns from general chat turns, not from the benchmark domains: a fresh install does not know
+        what its traffic will be, and online distillation adapts it to whatever arrives."""
         base = dict(
-            num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0,
+            sources=GENERAL_SOURCES, num_prompts=48, num_eval_prompts=8, max_new_tokens=64, epochs=4.0,
             hidden_num_prompts=None, hidden_epochs=8.0,
         )
         return cls(**{**base, **overrides})

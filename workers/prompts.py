@@ -8,6 +8,7 @@ drafter never trains on an eval prompt.
 
     gsm8k      rows [0, 1000) train, [1000, 1319) eval
     humaneval  rows [0, 120)  train, [120, 164)   eval
+    general    rows [0, 144)  train, [144, 160) eval (general chat turns, the quick drafter's start)
     chat       no train rows,        [0, 32)      eval (open chat turns no drafter saw)
 
 The files live in <repo>/data (copied from ../shared with their licences); SPECD_DATA_DIR overrides that.
@@ -27,6 +28,9 @@ from typing import Any
 from workers.models.chat import ChatCodec
 
 SOURCES = ("gsm8k", "humaneval")
+# General-purpose chat turns written for specd (data/general_prompts.jsonl): what a drafter made before
+# any traffic arrives learns from, so that the domains traffic brings are new to it, as a user's are.
+GENERAL_SOURCES = ("general",)
 # Sources with an eval split only, measured when named, never trained on: open-ended chat turns that no
 # drafter saw (the traffic nobody trained for; data/chat_prompts.jsonl, written for specd).
 EVAL_ONLY_SOURCES = ("chat",)
@@ -37,10 +41,16 @@ SPLIT_NAMES = ("train", "eval")
 SPLITS: dict[str, dict[str, tuple[int, int]]] = {
     "gsm8k": {"train": (0, 1000), "eval": (1000, 1319)},
     "humaneval": {"train": (0, 120), "eval": (120, 164)},
+    "general": {"train": (0, 144), "eval": (144, 160)},
     "chat": {"train": (0, 0), "eval": (0, 32)},
 }
 
-_FILES = {"gsm8k": "gsm8k_test.jsonl", "humaneval": "humaneval.jsonl.gz", "chat": "chat_prompts.jsonl"}
+_FILES = {
+    "gsm8k": "gsm8k_test.jsonl",
+    "humaneval": "humaneval.jsonl.gz",
+    "general": "general_prompts.jsonl",
+    "chat": "chat_prompts.jsonl",
+}
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{code}```"
 
@@ -49,7 +59,7 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{
 class Prompt:
     """One prompt of a source file; `text` is the raw question or code stub, before any template."""
 
-    source: str  # "gsm8k" | "humaneval" | "chat"
+    source: str  # "gsm8k" | "humaneval" | "general" | "chat"
     index: int  # row in the source file
     text: str
     reference: str  # the dataset's answer / canonical solution (never shown to the model)
@@ -73,7 +83,8 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 def load_source(source: str, directory: str | Path | None = None) -> tuple[Prompt, ...]:
     """Every row of one source file, in file order."""
     if source not in _FILES:
-        raise ValueError(f"unknown prompt source {source!r}; known: {SOURCES + EVAL_ONLY_SOURCES}")
+        known = SOURCES + GENERAL_SOURCES + EVAL_ONLY_SOURCES
+        raise ValueError(f"unknown prompt source {source!r}; known: {known}")
     return _load_source(source, str(directory or data_dir()))
 
 
@@ -82,7 +93,7 @@ def _load_source(source: str, directory: str) -> tuple[Prompt, ...]:
     rows = _read_rows(Path(directory) / _FILES[source])
     if source == "gsm8k":
         return tuple(Prompt(source, i, r["question"], r["answer"]) for i, r in enumerate(rows))
-    if source == "chat":
+    if source in ("general", "chat"):
         return tuple(Prompt(source, i, r["prompt"], "") for i, r in enumerate(rows))
     return tuple(Prompt(source, i, r["prompt"], r["canonical_solution"]) for i, r in enumerate(rows))
 

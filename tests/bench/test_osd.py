@@ -98,15 +98,21 @@ def test_after_a_rollback_the_version_serving_is_what_drafted_last(tmp_path) -> 
     assert serving_at_domain_end(rows, store, swap_delay_s=3.0) == {"gsm8k": "a"}
 
 
-def test_the_stream_puts_prompts_the_quick_drafter_was_trained_on_last() -> None:
+def test_the_quick_drafter_saw_none_of_the_stream() -> None:
     seen = bootstrap_prompts(from_offline=False)
-    assert 0 < len(seen) < 100
+    assert 0 < len(seen) < 100 and {s for s, _ in seen} == {"general"}
+    assert not any((p.source, p.index) in seen for _, p in stream_prompts(DOMAINS, 400, "train", seen))
+
+
+def test_the_stream_puts_prompts_the_starting_drafter_was_trained_on_last() -> None:
+    seen = frozenset({("gsm8k", 0), ("gsm8k", 5), ("humaneval", 1), ("humaneval", 7)})
     prompts = stream_prompts(DOMAINS, 400, "train", seen)
     gsm8k = [p for d, p in prompts if d == "gsm8k"]
     assert not any((p.source, p.index) in seen for p in gsm8k)      # 1,000 train rows: room to spare
+    assert gsm8k[0].index == 1
     humaneval = [(p.source, p.index) in seen for d, p in prompts if d == "humaneval"]
     first_seen = humaneval.index(True)                              # 120 rows: the stream cycles
-    assert first_seen == 120 - sum(s == "humaneval" for s, _ in seen) and not any(humaneval[:first_seen])
+    assert first_seen == 118 and humaneval[118:120] == [True, True] and not any(humaneval[:first_seen])
 
 
 def test_the_reference_is_the_offline_drafter_when_built_and_not_the_start(tmp_path) -> None:

@@ -98,3 +98,17 @@ def test_chat_prompts_are_eval_only_and_never_trained_on():
     assert load_split("chat", "train") == []
     assert "chat" in EVAL_ONLY_SOURCES and "chat" not in SOURCES    # no default mix trains on it
     assert all(p.source != "chat" for p in load_prompts("train"))
+
+
+def test_general_prompts_are_the_quick_drafters_and_apart_from_the_benchmarks():
+    from drafter_trainer.bootstrap import BootstrapConfig
+    from workers.prompts import GENERAL_SOURCES, SOURCES, load_prompts, load_split
+
+    train, held = load_split("general", "train"), load_split("general", "eval")
+    assert (len(train), len(held)) == (144, 16) and all(p.text.strip() for p in train + held)
+    chat = {p.text for p in load_split("chat", "eval")}
+    assert not chat & {p.text for p in train + held}     # chat stays traffic no drafter saw
+    assert len({p.text for p in train + held}) == 160
+    # a fresh install's drafter learns general turns; the benchmark domains arrive as new traffic
+    assert BootstrapConfig.quick().sources == GENERAL_SOURCES and BootstrapConfig().sources == SOURCES
+    assert all(p.source == "general" for p in load_prompts("train", BootstrapConfig.quick().sources))

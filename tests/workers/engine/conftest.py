@@ -65,7 +65,7 @@ def real_target_dir() -> Path:
 @pytest.fixture(scope="session")
 def boot_drafter_dir(real_target_dir) -> Path:
     """The bootstrapped default drafter if it exists; else a quick one made once for the tests."""
-    from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_drafter, cache_root
+    from drafter_trainer.bootstrap import bootstrap_drafter, cache_root
     from workers.drafters.model import default_drafter_dir
 
     if (default_drafter_dir() / "specd_drafter.json").exists():
@@ -73,7 +73,16 @@ def boot_drafter_dir(real_target_dir) -> Path:
     quick = cache_root() / "drafters" / "boot-quick-tests"
     if (quick / "specd_drafter.json").exists():
         return quick
-    return bootstrap_drafter(BootstrapConfig.quick(target_dir=str(real_target_dir), out_dir=str(quick)))
+    return bootstrap_drafter(_quick_tests_config(real_target_dir, quick))
+
+
+def _quick_tests_config(target_dir, out_dir):
+    """The quick preset on the benchmark domains (SOURCES), not its general chat turns: the engine tests
+    draft GSM8K and HumanEval prompts and need a drafter that accepts some of them."""
+    from drafter_trainer.bootstrap import BootstrapConfig
+    from workers.prompts import SOURCES
+
+    return BootstrapConfig.quick(target_dir=str(target_dir), out_dir=str(out_dir), sources=SOURCES)
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +94,7 @@ def boot_hidden_drafter_dir(real_target_dir, boot_drafter_dir) -> Path:
 
     if (default_drafter_dir(target_hidden=True) / "specd_drafter.json").exists():
         return default_drafter_dir(target_hidden=True)
-    cfg = BootstrapConfig.quick(target_dir=str(real_target_dir), out_dir=str(boot_drafter_dir))
+    cfg = _quick_tests_config(real_target_dir, boot_drafter_dir)
     if (cfg.resolved_hidden_out_dir() / "specd_drafter.json").exists():
         return cfg.resolved_hidden_out_dir()
     if boot_drafter_dir == default_drafter_dir():
