@@ -312,7 +312,11 @@ def build_arg_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specd bootstrap-drafter", description=__doc__.split("\n")[0], add_help=add_help
     )
-    p.add_argument("--quick", action="store_true", help="tiny preset for CI (a couple of minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="the first start's small preset on general chat turns (a minute or two)")
+    p.add_argument("--sources", type=_source_list,
+                   help="comma-separated prompt sources to learn from (default: gsm8k,humaneval; "
+                        "--quick: general)")
     p.add_argument("--out", dest="out_dir", help="output drafter directory")
     p.add_argument("--target-dir", help="target model directory (default: the converted SmolLM2 cache)")
     p.add_argument("--num-prompts", type=int)
@@ -349,6 +353,19 @@ def build_arg_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--hidden-epochs", type=float)
     p.add_argument("--hidden-out", dest="hidden_out_dir", help="output directory of the second stage")
     return p
+
+
+def _source_list(text: str) -> tuple[str, ...]:
+    from workers.prompts import SPLITS, split_indices
+
+    sources = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in sources if s not in SPLITS]
+    if not sources or unknown:
+        known = ", ".join(SPLITS)
+        raise argparse.ArgumentTypeError(f"unknown prompt sources {unknown or text!r}; known: {known}")
+    if not any(len(split_indices(s, "train")) for s in sources):
+        raise argparse.ArgumentTypeError(f"{text!r} has no train prompts")
+    return sources
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> BootstrapConfig:

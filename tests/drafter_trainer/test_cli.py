@@ -1,5 +1,7 @@
 """`specd bootstrap-drafter` parses its own options (they used to be swallowed by the top-level parser)."""
 
+import pytest
+
 from cluster.cli import build_parser
 from drafter_trainer.bootstrap import BootstrapConfig, config_from_options
 
@@ -28,3 +30,13 @@ def test_second_stage_prompt_count():
     assert full.hidden_num_prompts == 96 and full.num_prompts == BootstrapConfig().num_prompts
     # the quick preset trains both stages on its own few prompts
     assert BootstrapConfig.quick().hidden_num_prompts is None
+
+
+def test_sources_choose_what_the_drafter_learns_from():
+    parse = build_parser().parse_args
+    cfg = config_from_options(vars(parse(["bootstrap-drafter", "--quick", "--sources", "gsm8k, humaneval"])))
+    assert cfg.sources == ("gsm8k", "humaneval") and cfg.num_prompts == BootstrapConfig.quick().num_prompts
+    assert config_from_options(vars(parse(["bootstrap-drafter", "--quick"]))).sources == ("general",)
+    for bad in ("gsm9k", "chat", ""):    # unknown, eval only, empty
+        with pytest.raises(SystemExit):
+            parse(["bootstrap-drafter", "--sources", bad])
