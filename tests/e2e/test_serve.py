@@ -7,6 +7,7 @@ The drafter is the bootstrapped model drafter when it exists in the cache, else 
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import urllib.request
@@ -30,9 +31,18 @@ PROMPTS = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range (from 32768):
+    an ephemeral one, free when picked, was taken by Ray's own processes before the server bound it."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def drafter_kind(cache_dir: str | None) -> str:
