@@ -122,6 +122,7 @@ def new_cell_result(cell: dict[str, Any]) -> dict[str, Any]:
         # --paired: target-only on the same groups in the same process, interleaved with the system
         "paired_base_wall_s": None,
         "paired_base_tokens": None,
+        "paired_groups": None,      # per group: [base wall s, base tokens, system wall s, system tokens]
         # 1-min load average at the cell's start and end: on a shared machine it says how noisy it was.
         "loadavg": [os.getloadavg()[0]],
     }

@@ -56,6 +56,9 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         # --paired: over target-only run on the same groups in the same process, interleaved
         "speedup_vs_target_only_paired": _paired_speedup(cell, generated, wall),
         "paired_base_tokens_per_s": _paired_base_tps(cell),
+        # 95% bootstrap interval of the paired ratio over its groups (None with fewer than 4 groups)
+        "paired_ci95": paired_interval(cell.get("paired_groups") or []),
+        "paired_groups": cell.get("paired_groups"),
         "speedup_vs_vllm": None,
         "greedy_agreement_vs_target_only": None,
     }
@@ -71,6 +74,28 @@ def _paired_speedup(cell: dict[str, Any], generated: int, wall: float) -> float 
     if base is None or wall <= 0:
         return None
     return (generated / wall) / base
+
+
+def paired_interval(groups: list[list[float]], level: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> list[float] | None:
+    """[low, high] of the paired ratio (system tokens/s over target-only's on the same groups), from
+    `resamples` bootstrap draws of the groups with replacement (percentile interval; seeded, so a report
+    is reproducible). groups: [base wall s, base tokens, system wall s, system tokens] each. What one
+    cell's ratio may be read as on a noisy machine: an interval across 1.0 says the two are not told
+    apart by this run."""
+    if len(groups) < 4:
+        return None
+    import numpy as np
+
+    g = np.asarray(groups, dtype=float)                           # [groups, 4]
+    picks = np.random.default_rng(seed).integers(0, len(g), size=(resamples, len(g)))
+    sums = g[picks].sum(axis=1)                                   # [resamples, 4]
+    ok = (sums[:, 0] > 0) & (sums[:, 2] > 0) & (sums[:, 1] > 0)
+    if not ok.any():
+        return None
+    ratios = (sums[ok, 3] / sums[ok, 2]) / (sums[ok, 1] / sums[ok, 0])
+    tail = (1 - level) / 2 * 100
+    return [float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))]
 
 
 # Timings of one system's rounds (--rounds: fresh processes) that merge_rounds replaces by their median.
@@ -96,6 +121,9 @@ def merge_rounds(rounds: list[Row]) -> Row:
         row[key] = sum(r[key] for r in rounds)
     loads = [r["loadavg_1m_max"] for r in rounds if r.get("loadavg_1m_max") is not None]
     row["loadavg_1m_max"] = max(loads) if loads else None
+    groups = [g for r in rounds for g in r.get("paired_groups") or []]
+    row["paired_groups"] = groups or None
+    row["paired_ci95"] = paired_interval(groups)
     tps = [r["tokens_per_s"] for r in rounds]
     row["tokens_per_s_rounds"] = tps
     # (max - min) / median over the processes: how far one process's figure may sit from another's
@@ -149,14 +177,20 @@ TABLE_COLUMNS = (
     ("MAL", "mean_accepted_length", ".2f", ""),
     ("RSS MB", "peak_rss_mb", ".0f", ""),
     ("vs target-only", "speedup_vs_target_only", ".2f", "x"),
-    ("paired", "speedup_vs_target_only_paired", ".2f", "x"),
+    ("paired", "speedup_vs_target_only_paired", ".3f", "x"),
+    ("paired 95%", "paired_ci95", "interval", ""),
     ("vs vLLM", "speedup_vs_vllm", ".2f", "x"),
     ("spread", "tokens_per_s_spread", ".0%", ""),
 )
 
 
 def table_cells(row: dict[str, Any]) -> list[str]:
-    return [str(row[k]) if spec is None else _fmt(row.get(k), spec, sfx) for _, k, spec, sfx in TABLE_COLUMNS]
+    return [str(row[k]) if spec is None else _interval(row.get(k)) if spec == "interval"
+            else _fmt(row.get(k), spec, sfx) for _, k, spec, sfx in TABLE_COLUMNS]
+
+
+def _interval(value: list[float] | None) -> str:
+    return "-" if not value else f"{value[0]:.3f}-{value[1]:.3f}"
 
 
 def render_table(rows: list[dict[str, Any]], title: str = "specd bench engine"):

@@ -58,7 +58,7 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
         # vLLM's speculation is engine-wide: it cannot switch off per request, so no paired baseline there.
         paired = bool(job.get("paired")) and system.spec_enabled and system.backend == "torch"
         if paired:
-            result.update(paired_base_wall_s=0.0, paired_base_tokens=0)
+            result.update(paired_base_wall_s=0.0, paired_base_tokens=0, paired_groups=[])
         if job.get("warm_each_cell"):
             prompts, seeds = next(groups(cell["prompts"], cell["seeds"], cell["batch"]))
             warm_group = [
@@ -74,6 +74,7 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             # --paired: the same engine with speculation off per request, before the system on even
             # groups and after it on odd ones, so drift in machine speed falls on both alike.
             order = (["base", "spec"] if g % 2 == 0 else ["spec", "base"]) if paired else ["spec"]
+            before = (result.get("paired_base_wall_s"), result.get("paired_base_tokens"), result["wall_s"])
             for phase in order:
                 if phase == "base":
                     _run_paired_base(engine, made, job["max_new_tokens"], result)
@@ -83,6 +84,11 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
                 seqs = engine.generate(mine, on_step=lambda _s, emitted: events.tokens(len(emitted)),
                                        ignore_eos=True)
                 result["wall_s"] += time.perf_counter() - start
+            if paired:
+                # this group's pair, for the paired ratio's interval (bench/report.py paired_interval)
+                result["paired_groups"].append([
+                    result["paired_base_wall_s"] - before[0], result["paired_base_tokens"] - before[1],
+                    result["wall_s"] - before[2], sum(len(s.output) for s in seqs)])
             for seq in seqs:
                 add_request(result, seq.output, seq.latency, job["max_new_tokens"])
                 if system.spec_enabled:

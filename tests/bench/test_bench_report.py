@@ -10,6 +10,7 @@ from bench.report import (
     add_ratios,
     make_row,
     merge_rounds,
+    paired_interval,
     render_table,
     sort_rows,
     table_cells,
@@ -48,7 +49,28 @@ def test_paired_speedup_divides_by_the_interleaved_baseline():
     c.update(paired_base_wall_s=16.0, paired_base_tokens=100)           # the same tokens took 16 s
     r = make_row("specd-chain", c, 128, None, True)
     assert r["speedup_vs_target_only_paired"] == pytest.approx(1.6)
-    assert "1.60x" in table_cells(r)
+    assert "1.600x" in table_cells(r)
+    assert r["paired_ci95"] is None                                       # no groups recorded
+
+
+def test_paired_interval_from_groups():
+    # every group 1.25x (base 10 s, system 8 s for the same 100 tokens): the interval is that point
+    steady = [[10.0, 100, 8.0, 100]] * 6
+    assert paired_interval(steady) == pytest.approx([1.25, 1.25])
+    # groups at 0.95x and 1.05x alike: the interval holds 1.0 and stays inside [0.95, 1.05]
+    mixed = [[10.0, 100, 10.0 / r, 100] for r in (0.95, 1.05) * 4]
+    low, high = paired_interval(mixed)
+    assert 0.95 <= low < 1.0 < high <= 1.05
+    assert paired_interval(mixed) == paired_interval(mixed)               # seeded
+    assert paired_interval(steady[:3]) is None                            # too few groups
+    c = cell(drafted=40, accepted=30, steps=20, emitted=50)
+    c.update(paired_base_wall_s=80.0, paired_base_tokens=800, paired_groups=mixed)
+    r = make_row("specd-chain", c, 128, None, True)
+    assert r["paired_ci95"] == [low, high] and f"{low:.3f}-{high:.3f}" in table_cells(r)
+    # rounds pool their groups
+    other = make_row("specd-chain", {**c, "paired_groups": steady}, 128, None, True)
+    merged = merge_rounds([r, other])
+    assert len(merged["paired_groups"]) == 14 and merged["paired_ci95"] == paired_interval(mixed + steady)
 
 
 def test_rounds_merge_to_medians_and_keep_each_process():
@@ -127,7 +149,7 @@ def test_table_cells_show_dashes_for_missing_values():
     rows = add_ratios([row("target-only", 10.0), row("specd-chain", 15.0, speculative=True)])
     base, spec = table_cells(rows[0]), table_cells(rows[1])
     assert base[0] == "target-only" and base[-2] == "-" and base[6] == "-"
-    assert spec[-4] == "1.50x" and spec[-3] == "-"  # vs target-only; no paired run
+    assert spec[-5] == "1.50x" and spec[-4] == spec[-3] == "-"  # vs target-only; no paired run
     assert spec[-1] == "-"                          # one process each: no spread
     assert render_table(rows).row_count == 2
 

@@ -127,18 +127,22 @@ def logits_to_probs(
 
 
 def _per_row_noise(
-    generators: list[torch.Generator | None], counts: list[int], width: int, device, draw
-) -> torch.Tensor:  # [batch, width]
-    """Random numbers per row: row b takes counts[b] numbers from its own generator (zeros after them);
-    rows without a generator take theirs in one call to the default generator (a row with count 0 none)."""
-    noise = torch.zeros(len(generators), width, device=device)
-    shared_rows = [b for b, g in enumerate(generators) if g is None and counts[b] > 0]
+    generators: list[torch.Generator | None], counts: list[int], width: int, device, draw,
+    fill: float = 0.0, dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [batch, width] float32
+    """Random numbers per row: row b takes counts[b] numbers from its own generator (`fill` after them);
+    rows without a generator take theirs in one call to the default generator (a row with count 0 none).
+    draw(t, g) fills t (of `dtype`) in place from g."""
+    b = len(generators)
+    full = all(c == width for c in counts)
+    noise = torch.empty(b, width, device=device) if full else torch.full((b, width), fill, device=device)
+    shared_rows = [i for i, g in enumerate(generators) if g is None and counts[i] > 0]
     if shared_rows:
-        noise[shared_rows] = draw(torch.empty(len(shared_rows), width, device=device), None)
-    for b, g in enumerate(generators):
-        if g is not None and counts[b] > 0:
-            own = draw(torch.empty(counts[b], device=g.device), g)
-            noise[b, : counts[b]] = own.to(device)
+        noise[shared_rows] = draw(torch.empty(len(shared_rows), width, device=device, dtype=dtype), None)
+    for i, g in enumerate(generators):
+        if g is not None and counts[i] > 0:
+            own = draw(torch.empty(counts[i], device=g.device, dtype=dtype), g)
+            noise[i, : counts[i]] = own.to(device)
     return noise
 
 
@@ -156,13 +160,21 @@ def exponential_noise(
     generators: list[torch.Generator | None], width: int, device="cpu", greedy: list[bool] | None = None
 ) -> torch.Tensor:  # [batch, width], Exp(1), strictly positive
     """greedy rows (p one-hot) draw nothing and get 1: the race then picks the one token with weight.
-    A vocabulary of exponentials per seeded row was an eighth of a greedy batch-16 step on a CPU."""
+
+    Drawn by inversion, -log(1 - U): the same Exp(1), and on a CPU 3.4x faster than Tensor.exponential_
+    (0.27 vs 0.93 ms for a 49,152-token vocabulary; 16 sampled rows drew for 15 ms of a 100 ms batch-16
+    step). U is float64: float32 uniforms are multiples of 2^-24, and U = 0 (E = 0, a win in the race
+    whatever the token's weight) would come about once in 340 draws of such a row."""
     counts = [0 if greedy is not None and greedy[b] else width for b in range(len(generators))]
-    noise = _per_row_noise(generators, counts, width, device, lambda t, g: t.exponential_(generator=g))
-    if greedy is not None and any(greedy):
-        noise[torch.tensor(greedy, device=noise.device)] = 1.0
-    # Exp(1) can round to 0.0 (probability ~1e-45 per draw); 0/0 would give NaN, which argmax prefers.
-    return noise.clamp_min(torch.finfo(noise.dtype).tiny)
+    noise = _per_row_noise(generators, counts, width, device, _exponential_by_inversion, fill=1.0,
+                           dtype=torch.float64)
+    # E = 0 is still possible (U = 0, 2^-53 a draw); 0/0 would give NaN, which argmax prefers.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _exponential_by_inversion(t: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
+    """Fill t with Exp(1) draws in place: -log1p(-U), U ~ uniform [0, 1) from g."""
+    return t.uniform_(generator=g).neg_().log1p_().neg_()
 
 
 def sample_with_noise(

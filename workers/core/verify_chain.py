@@ -85,18 +85,20 @@ def verify_chain(
 
     # The last emitted token: bonus from p at position num_drafts, or recovered from
     # norm(max(0, p - q)) at the first rejected position. Both live at position num_accepted.
-    p_last = target_probs[rows, num_accepted]  # [batch, vocab]
     if gamma_max == 0:
-        q_last = torch.zeros_like(p_last)
+        # Nothing drafted (plain decoding steps): every row's token is a bonus from p at position 0; no
+        # residual to build over the vocabulary.
+        weights = target_probs[:, 0]  # [batch, vocab]
     else:
+        p_last = target_probs[rows, num_accepted]  # [batch, vocab]
         last_draft_pos = num_accepted.clamp(max=gamma_max - 1)
         if draft_probs is None:
             rejected_token = safe_drafts[rows, last_draft_pos]
             q_last = torch.zeros_like(p_last).scatter(-1, rejected_token[:, None], 1.0)
         else:
             q_last = draft_probs[rows, last_draft_pos].to(p_last.dtype)
-    recover_from = residual_weights(p_last, q_last)
-    weights = torch.where(is_bonus[:, None], p_last, recover_from)
+        recover_from = residual_weights(p_last, q_last)
+        weights = torch.where(is_bonus[:, None], p_last, recover_from)
     last_token = sample_with_noise(weights, exponential_noise(generators, vocab, device, greedy))  # [batch]
 
     output_tokens = torch.full((batch, gamma_max + 1), -1, dtype=torch.long, device=device)

@@ -2,10 +2,11 @@ import math
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 
 from workers.core.sampling import (
     SamplingParams,
+    exponential_noise,
     logits_to_probs,
     make_generator,
     params_to_tensors,
@@ -129,6 +130,16 @@ def test_sample_frequencies_match_probs():
     assert counts[4] == 0
     expected = probs[:4].double() / probs[:4].double().sum() * counts.sum()
     assert chisquare(counts[:4].numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_exponential_noise_is_exp1_for_seeded_and_shared_rows():
+    torch.manual_seed(0)
+    noise = exponential_noise([make_generator(7), None], 50_000)
+    for row in noise.double():
+        assert row.min() > 0
+        assert kstest(row.numpy(), "expon").pvalue > 1e-3
+    assert kstest(noise[0].numpy(), noise[1].numpy()).pvalue > 1e-3
+    assert torch.equal(noise[0], exponential_noise([make_generator(7)], 50_000)[0])   # seeded: reproducible
 
 
 def test_seeded_row_does_not_depend_on_its_batch():
