@@ -138,7 +138,8 @@ def _per_row_noise(
     noise = torch.empty(b, width, device=device) if full else torch.full((b, width), fill, device=device)
     shared_rows = [i for i, g in enumerate(generators) if g is None and counts[i] > 0]
     if shared_rows:
-        noise[shared_rows] = draw(torch.empty(len(shared_rows), width, device=device, dtype=dtype), None)
+        drawn = draw(torch.empty(len(shared_rows), width, device=device, dtype=dtype), None)
+        noise[shared_rows] = drawn.to(noise.dtype)
     for i, g in enumerate(generators):
         if g is not None and counts[i] > 0:
             own = draw(torch.empty(counts[i], device=g.device, dtype=dtype), g)
