@@ -5,10 +5,15 @@ serve. With drafter.path unset and no bootstrapped drafter in the cache, serve u
 (`boot-quick`, and `boot-quick-hidden` that reads the target's hidden states), building it first when
 it is missing too: a couple of minutes on 2 CPU cores (the bootstrap's --quick preset). Online
 distillation then improves it on live traffic. A bootstrapped drafter, when there is one, wins.
+
+A quick drafter in the cache that an earlier version built from other prompt sources (the quick preset
+learned GSM8K and HumanEval until 2026-11-26, general chat turns since) is rebuilt once: a machine that
+upgrades starts from the same drafter a fresh one does.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -39,15 +44,31 @@ def ensure_serving_drafter(cfg, model_dir: str) -> str | None:
         return None
     token_dir, hidden_dir = quick_drafter_dirs(cfg.cache_dir)
     want = hidden_dir if hidden else token_dir
-    if not (want / "config.json").exists():
-        from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_drafter
+    from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_drafter
 
-        log.warning("no bootstrapped drafter in the cache: building the quick one (a few minutes; "
-                    "`specd bootstrap-drafter` builds the full one offline); online training improves it")
+    quick = BootstrapConfig.quick(target_dir=str(model_dir), out_dir=str(token_dir),
+                                  hidden_out_dir=str(hidden_dir), target_hidden=hidden, progress=True)
+    built = (want / "config.json").exists()
+    stale = built and trained_sources(want) not in (None, list(quick.sources))
+    if not built or stale:
+        if stale:
+            log.warning("the cached quick drafter %s learned %s; this version's quick drafter learns %s: "
+                        "rebuilding it", want, trained_sources(want), list(quick.sources))
+        else:
+            log.warning("no bootstrapped drafter in the cache: building the quick one (a few minutes; "
+                        "`specd bootstrap-drafter` builds the full one offline); online training improves it")
         t0 = time.perf_counter()
-        bootstrap_drafter(BootstrapConfig.quick(target_dir=str(model_dir), out_dir=str(token_dir),
-                                                hidden_out_dir=str(hidden_dir), target_hidden=hidden,
-                                                progress=True))
+        bootstrap_drafter(quick)
         log.info("quick drafter built in %.0f s", time.perf_counter() - t0)
     d.path = str(want)
     return d.path
+
+
+def trained_sources(drafter_dir: Path) -> list[str] | None:
+    """The prompt sources a bootstrapped drafter learned (its specd_drafter.json), None when unrecorded."""
+    try:
+        meta = json.loads((drafter_dir / "specd_drafter.json").read_text())
+        sources = meta["train"]["prompts"]["sources"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return list(sources) if isinstance(sources, list) else None

@@ -11,7 +11,8 @@ drafter never trains on an eval prompt.
     general    rows [0, 144)  train, [144, 160) eval (general chat turns, the quick drafter's start)
     chat       no train rows,        [0, 32)      eval (open chat turns no drafter saw)
 
-The files live in <repo>/data (copied from ../shared with their licences); SPECD_DATA_DIR overrides that.
+The files live in <repo>/data (copied from ../shared with their licences); SPECD_DATA_DIR overrides that
+(a file it lacks is read from <repo>/data).
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ class Prompt:
         return f"{self.source}/{self.index}"
 
 
+REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+
+
 def data_dir() -> Path:
     env = os.environ.get("SPECD_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "data"
+    return Path(env) if env else REPO_DATA
 
 
 def _read_rows(path: Path) -> list[dict[str, Any]]:
@@ -90,7 +94,12 @@ def load_source(source: str, directory: str | Path | None = None) -> tuple[Promp
 
 @cache
 def _load_source(source: str, directory: str) -> tuple[Prompt, ...]:
-    rows = _read_rows(Path(directory) / _FILES[source])
+    path = Path(directory) / _FILES[source]
+    if not path.exists() and (REPO_DATA / _FILES[source]).exists():
+        # A directory holding only the public datasets (SPECD_DATA_DIR=../shared/data) lacks the files
+        # written for specd (general and chat prompts): those come from the repository's data/.
+        path = REPO_DATA / _FILES[source]
+    rows = _read_rows(path)
     if source == "gsm8k":
         return tuple(Prompt(source, i, r["question"], r["answer"]) for i, r in enumerate(rows))
     if source in ("general", "chat"):

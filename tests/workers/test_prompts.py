@@ -59,6 +59,9 @@ def test_data_dir_can_be_overridden(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECD_DATA_DIR", str(tmp_path))
     assert data.data_dir() == tmp_path
     assert [p.text for p in data.load_source("gsm8k")] == ["1+1?"]
+    # files written for specd that such a directory lacks come from the repository's data/
+    assert data.load_source("general") == data.load_source("general", data.REPO_DATA)
+    assert len(data.load_source("general")) == 160
 
 
 class TemplateTokenizer:

@@ -3,7 +3,7 @@
 A short sweep: target forwards of b rows × n tokens (the shape of a verify step with n - 1 drafts per
 row) at a few batch sizes, two ragged forwards per batch size (one row of 2 tokens, then of max tokens,
 the others of one: what going ragged costs at all, `ragged`, and how much the longest row costs beyond
-the mean, `pad_weight`), and drafter proposals of depth 1 and 3 at the same batch sizes. Cells not
+the mean, `pad_weight`; each timed in interleaved pairs with a plain forward), and drafter proposals of depth 1 and 3 at the same batch sizes. Cells not
 measured are interpolated (workers/core/goodput.py extends the table linearly), so the sweep stays a few
 seconds on a CPU. The numbers only steer γ: output is exact whatever they say.
 """
@@ -21,6 +21,7 @@ from workers.core.sampling import SamplingParams
 from workers.drafters.base import SCRATCH_PREFIX
 
 PROFILE_TOKENS = (1, 2, 3, 5, 9)   # tokens per row measured; the rest of 1..max is interpolated
+RAGGED_PAIRS = 6                   # interleaved (plain, ragged) pairs per ragged shape and batch size
 
 
 def _timed(fn, repeats: int) -> float:
@@ -63,10 +64,14 @@ def profile_verify(
             seconds = [_timed_extend(runner, slots, [n] * b, repeats) for n in measured_n]
             table[b] = [interpolate(measured_n, seconds, n) for n in range(1, max_tokens + 1)]
             if b > 1 and max_tokens > 1:
-                small = _timed_extend(runner, slots, [2] + [1] * (b - 1), repeats)
-                uniform = interpolate(list(range(1, max_tokens + 1)), table[b], 1 + 1 / b)
-                ragged_fixed[b] = max(small - uniform, 0.0)
-                ragged = _timed_extend(runner, slots, [max_tokens] + [1] * (b - 1), repeats) - ragged_fixed[b]
+                # Each ragged forward against a plain one, in interleaved pairs: a few milliseconds
+                # between two forwards timed apart were lost in their noise (the same start-up measured
+                # 0 to 21 ms at batch 16 here; paired, 3-7 ms).
+                plain = [1] * b
+                small = _paired_extra(runner, slots, plain, [2] + plain[1:], RAGGED_PAIRS)
+                ragged_fixed[b] = max(small - (table[b][1] - table[b][0]) / b, 0.0)
+                longest = _paired_extra(runner, slots, plain, [max_tokens] + plain[1:], RAGGED_PAIRS)
+                ragged = table[b][0] + longest - ragged_fixed[b]
                 weights.append(_pad_weight(table[b], ragged, b, max_tokens))
         finally:
             for s in slots:
@@ -93,6 +98,11 @@ def _pad_weight(row: list[float], ragged_seconds: float, b: int, longest: int) -
 
 
 def _timed_extend(runner, slots: list[int], counts: list[int], repeats: int) -> float:
+    return _timed(_extend_forward(runner, slots, counts), repeats)
+
+
+def _extend_forward(runner, slots: list[int], counts: list[int]):
+    """A verify-shaped forward of counts[i] tokens for slot i, rolled back after (a callable)."""
     base = [runner.length(s) for s in slots]
 
     def forward() -> None:
@@ -101,7 +111,23 @@ def _timed_extend(runner, slots: list[int], counts: list[int], repeats: int) -> 
             runner.rollback(s, length)
         _sync(runner)
 
-    return _timed(forward, repeats)
+    return forward
+
+
+def _paired_extra(runner, slots: list[int], counts: list[int], other: list[int], pairs: int) -> float:
+    """Median over `pairs` pairs of what a forward of `other` takes beyond one of `counts` run beside it
+    (in ABBA order, so drift falls on both alike)."""
+    first, second = _extend_forward(runner, slots, counts), _extend_forward(runner, slots, other)
+    second()  # warm-up: a new shape allocates
+    extra = []
+    for i in range(pairs):
+        seconds = {}
+        for name, fn in (("a", first), ("b", second)) if i % 2 == 0 else (("b", second), ("a", first)):
+            t0 = time.perf_counter()
+            fn()
+            seconds[name] = time.perf_counter() - t0
+        extra.append(seconds["b"] - seconds["a"])
+    return statistics.median(extra)
 
 
 def profile_drafter(

@@ -148,3 +148,36 @@ def test_a_combined_drafter_is_profiled_through_its_model(cfg, target):
     lookup = profile_drafter(DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir)).drafter,
                              batch_sizes=(1, 4), max_seq_len=256)
     assert lookup["catch_up"] == 0.0
+
+
+class ClockRunner:
+    """A runner whose forwards advance a fake clock: 10 ms + 2 ms per token, 5 ms more when rows differ
+    in length, and a drift of 1 ms more per forward (the machine slowing down as it goes)."""
+
+    def __init__(self) -> None:
+        self.now, self.forwards, self.lengths, self.device = 0.0, 0, {}, "cpu"
+
+    def extend(self, slots, inputs):
+        counts = [len(x) for x in inputs]
+        self.now += 0.010 + 0.002 * sum(counts) + (0.005 if min(counts) != max(counts) else 0.0)
+        self.now += 0.001 * self.forwards
+        self.forwards += 1
+
+    def length(self, slot):
+        return self.lengths.get(slot, 0)
+
+    def rollback(self, slot, length):
+        self.lengths[slot] = length
+
+
+def test_ragged_cost_is_timed_in_pairs_beside_a_plain_forward(monkeypatch) -> None:
+    from workers.engine import profile
+
+    runner = ClockRunner()
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: runner.now)
+    plain = [1] * 4
+    # one more token (2 ms) and going ragged (5 ms); the drift adds 1 ms to the later forward of a pair,
+    # which ABBA order puts on each side alike, so the median is within a drift step of 7 ms
+    extra = profile._paired_extra(runner, [0, 1, 2, 3], plain, [2, 1, 1, 1], pairs=6)
+    assert extra == pytest.approx(0.007, abs=0.001)
+    assert profile._paired_extra(runner, [0, 1, 2, 3], plain, plain, pairs=6) == pytest.approx(0.0, abs=0.001)
