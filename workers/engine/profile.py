@@ -3,9 +3,11 @@
 A short sweep: target forwards of b rows × n tokens (the shape of a verify step with n - 1 drafts per
 row) at a few batch sizes, two ragged forwards per batch size (one row of 2 tokens, then of max tokens,
 the others of one: what going ragged costs at all, `ragged`, and how much the longest row costs beyond
-the mean, `pad_weight`; each timed in interleaved pairs with a plain forward), and drafter proposals of depth 1 and 3 at the same batch sizes. Cells not
-measured are interpolated (workers/core/goodput.py extends the table linearly), so the sweep stays a few
-seconds on a CPU. The numbers only steer γ: output is exact whatever they say.
+the mean, `pad_weight`), and drafter proposals of depth 1 and 3 at the same batch sizes. The ragged
+forwards and the two-token one are timed in interleaved pairs beside a plain forward: the few
+milliseconds they differ by were lost in the noise of forwards timed apart. Cells not measured are
+interpolated (workers/core/goodput.py extends the table linearly), so the sweep stays ten-odd seconds
+on a CPU. The numbers only steer γ: output is exact whatever they say.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ def profile_verify(
         try:
             runner.prefill(slots, [[1] * prompt_len for _ in slots])
             seconds = [_timed_extend(runner, slots, [n] * b, repeats) for n in measured_n]
+            if len(measured_n) > 1 and measured_n[1] == 2:
+                # The first draft token's price decides most plans at high load: what two tokens a row
+                # cost beyond one, timed in pairs (apart, the difference moved 25-31 ms at batch 16
+                # between start-ups here).
+                extra = _paired_extra(runner, slots, [1] * b, [2] * b, RAGGED_PAIRS)
+                seconds[1] = seconds[0] + max(extra, 0.0)
             table[b] = [interpolate(measured_n, seconds, n) for n in range(1, max_tokens + 1)]
             if b > 1 and max_tokens > 1:
                 # Each ragged forward against a plain one, in interleaved pairs: a few milliseconds
