@@ -113,6 +113,7 @@ class BatchPlan:
     # themselves. A verify at batch 16 where one row drafts 7 tokens costs 22 tokens, not 128.
     real: torch.Tensor | None = None
     groups: list[RowGroup] | None = None
+    write_index: torch.Tensor | None = None   # KVCache.run_index of these rows, built at the first layer
 
     @classmethod
     def make(cls, slots: list[int], starts: list[int], n: int, counts: list[int] | None = None,
@@ -217,7 +218,9 @@ class Attention(nn.Module):
     def _attend(self, fused, rope, mask, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
         """fused [b, n, q + 2 kv] (dense rows of `plan`) -> attention output [b, n, q]; K/V into the cache."""
         q, k, v = self.rotate(fused, rope)
-        cache.write_runs(layer, plan.slots, plan.starts, k, v)
+        if plan.write_index is None:
+            plan.write_index = cache.run_index(plan.slots, plan.starts, plan.n)
+        cache.write_runs(layer, plan.slots, plan.starts, k, v, plan.write_index)
         outs = []
         for first, end, kv_len in plan.runs:
             keys, values = cache.read(layer, plan.slots[first:end], kv_len)  # [rows, kv_heads, L, d]
