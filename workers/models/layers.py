@@ -108,12 +108,15 @@ class BatchPlan:
     runs: list[tuple[int, int, int]]
     n: int = 1  # new tokens per row, padding included
     # Ragged rows: flat indices [T] of the real tokens in the [b * n] grid, None when no row is padded.
-    # Every matmul (q/k/v, output, MLP, head) then runs on the T real tokens only, and attention runs
-    # per group of rows (`groups`): the one-token rows side by side, the longer ones padded among
-    # themselves. A verify at batch 16 where one row drafts 7 tokens costs 22 tokens, not 128.
+    # Every matmul (q/k/v, output, MLP, head), RoPE and the cache write then run on the T real tokens
+    # once, and only attention runs per group of rows (`groups`): the one-token rows side by side, the
+    # longer ones padded among themselves. The T tokens are ordered group by group, so a group's
+    # queries and outputs are one contiguous range. A verify at batch 16 where one row drafts 7 tokens
+    # costs 22 tokens, not 128.
     real: torch.Tensor | None = None
     groups: list[RowGroup] | None = None
-    write_index: torch.Tensor | None = None   # KVCache.run_index of these rows, built at the first layer
+    write_index: torch.Tensor | None = None   # KVCache.run_index / token_index of the new tokens
+    rope: torch.Tensor | None = None          # [T, 1, 1, d/2] the real tokens' RoPE (ragged plans)
 
     @classmethod
     def make(cls, slots: list[int], starts: list[int], n: int, counts: list[int] | None = None,
@@ -125,22 +128,25 @@ class BatchPlan:
                 first = i
         if counts is None or sum(counts) == len(slots) * n:
             return cls(slots, starts, runs, n)
-        real = torch.tensor([i * n + j for i, c in enumerate(counts) for j in range(c)], device=device)
         single = [i for i, c in enumerate(counts) if c == 1]
         longer = [i for i, c in enumerate(counts) if c > 1]
         parts = [single, longer] if single and longer else [list(range(len(slots)))]
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
-        groups = [RowGroup.make(rows, slots, starts, counts, offsets, device) for rows in parts]
+        order = [i for rows in parts for i in rows]
+        real = torch.tensor([i * n + j for i in order for j in range(counts[i])], device=device)
+        groups, offset = [], 0
+        for rows in parts:
+            groups.append(RowGroup.make(rows, slots, starts, counts, offset, device))
+            offset += sum(counts[i] for i in rows)
         return cls(slots, starts, runs, n, real, groups)
 
     def split(self, rope: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Give each row group its rows of the forward's rope [b, n, 1, d/2] and mask [b, 1, n, L]."""
-        for group in self.groups or ():
-            n = group.plan.n
-            group.rope = rope[group.index, :n]
-            group.mask = None if mask is None else mask[group.index, :, :n]
+        """Pack the forward's rope [b, n, 1, d/2] to the real tokens, and give each row group its rows
+        of the mask [b, 1, n, L] (the same for every layer, so done once)."""
+        if self.groups is None:
+            return
+        self.rope = self.pack(rope)[:, None]  # [T, 1, 1, d/2]
+        for group in self.groups:
+            group.mask = None if mask is None else mask[group.index, :, : group.plan.n]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[b, n, ...] -> [T, ...] (the real tokens), or x itself when no row is padded."""
@@ -153,6 +159,17 @@ class BatchPlan:
         out = x.new_zeros(len(self.slots) * self.n, *x.shape[1:])
         return out.index_copy_(0, self.real, x).unflatten(0, (len(self.slots), self.n))
 
+    def cache_index(self, cache: KVCache) -> torch.Tensor:
+        """Where this forward's new keys go in the cache (KVCache.write_at), built at the first layer:
+        [b, kv_heads, n] order for a dense plan, [T, kv_heads] for a ragged one."""
+        if self.write_index is None:
+            if self.groups is None:
+                self.write_index = cache.run_index(self.slots, self.starts, self.n)
+            else:
+                tokens = [(self.slots[i], self.starts[i] + j) for g in self.groups for i, j in g.tokens]
+                self.write_index = cache.token_index(*zip(*tokens, strict=True))
+        return self.write_index
+
 
 @dataclass
 class RowGroup:
@@ -160,30 +177,33 @@ class RowGroup:
 
     index: torch.Tensor          # [g] the rows, as batch indices
     plan: BatchPlan              # the group's own (dense) plan: its slots, starts, runs and n
-    src: torch.Tensor            # [T_g] where the group's real tokens are in the packed [T] order
+    tokens: list[tuple[int, int]]  # (row, j) of the group's real tokens, in packed order
+    offset: int                  # where they start in the packed [T] order
     dest: torch.Tensor | None    # [T_g] where they go in the group's [g * n] grid; None: nowhere padded
-    rope: torch.Tensor | None = None   # the group's rows of the forward's RoPE and mask (BatchPlan.split):
-    mask: torch.Tensor | None = None   # the same for every layer, so sliced once
+    mask: torch.Tensor | None = None   # the group's rows of the forward's mask (BatchPlan.split)
 
     @classmethod
-    def make(cls, rows, slots, starts, counts, offsets, device) -> RowGroup:
+    def make(cls, rows, slots, starts, counts, offset, device) -> RowGroup:
         n = max(counts[i] for i in rows)
-        src = [offsets[i] + j for i in rows for j in range(counts[i])]
+        tokens = [(i, j) for i in rows for j in range(counts[i])]
         dest = [k * n + j for k, i in enumerate(rows) for j in range(counts[i])]
         plan = BatchPlan.make([slots[i] for i in rows], [starts[i] for i in rows], n)
-        return cls(torch.tensor(rows, device=device), plan, torch.tensor(src, device=device),
+        return cls(torch.tensor(rows, device=device), plan, tokens, offset,
                    None if len(dest) == len(rows) * n else torch.tensor(dest, device=device))
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Packed [T, f] -> the group's grid [g, n, f], zeros at its padding."""
-        part = x.index_select(0, self.src)
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The packed queries [T, heads, 1, d] -> the group's [g, heads, n, d], zeros at its padding."""
+        part = q[self.offset : self.offset + len(self.tokens)]  # [T_g, heads, 1, d], a view
+        g, n = len(self.plan.slots), self.plan.n
+        if n == 1:
+            return part
+        flat = part.squeeze(2)  # [T_g, heads, d]
         if self.dest is not None:
-            grid = part.new_zeros(len(self.plan.slots) * self.plan.n, part.shape[-1])
-            part = grid.index_copy_(0, self.dest, part)
-        return part.view(len(self.plan.slots), self.plan.n, -1)
+            flat = flat.new_zeros(g * n, *flat.shape[1:]).index_copy_(0, self.dest, flat)
+        return flat.reshape(g, n, *flat.shape[1:]).transpose(1, 2)
 
     def real_of(self, grid: torch.Tensor) -> torch.Tensor:
-        """The group's grid [g, n, f] -> its real tokens [T_g, f], in `src` order."""
+        """The group's attention output [g, n, f] -> its real tokens [T_g, f], in packed order."""
         flat = grid.reshape(-1, grid.shape[-1])
         return flat if self.dest is None else flat.index_select(0, self.dest)
 
@@ -207,20 +227,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # like x
         fused = self.wqkv(x)  # [b, n, q + 2 kv] or [T, q + 2 kv]
         if plan.groups is None:
-            return self.wo(self._attend(fused, rope, mask, cache, layer, plan))
-        out = fused.new_empty(fused.shape[0], self.q_size)  # [T, q]: the groups cover every real token
-        for group in plan.groups:
-            rows = group.gather(fused)  # [g, n, q + 2 kv]
-            attended = self._attend(rows, group.rope, group.mask, cache, layer, group.plan)
-            out.index_copy_(0, group.src, group.real_of(attended))
-        return self.wo(out)
+            q, k, v = self.rotate(fused, rope)
+            cache.write_at(layer, plan.cache_index(cache), k, v)
+            return self.wo(self._attend(q, mask, cache, layer, plan))
+        # Ragged: RoPE and the cache write once over the packed tokens (as T rows of one token), then
+        # attention per row group, each reading its queries as a range of the packed ones.
+        q, k, v = self.rotate(fused[:, None], plan.rope)  # q [T, heads, 1, d], k and v [T, kv, 1, d]
+        cache.write_at(layer, plan.cache_index(cache), k, v)
+        outs = [group.real_of(self._attend(group.queries(q), group.mask, cache, layer, group.plan))
+                for group in plan.groups]
+        return self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])  # [T, hidden]
 
-    def _attend(self, fused, rope, mask, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
-        """fused [b, n, q + 2 kv] (dense rows of `plan`) -> attention output [b, n, q]; K/V into the cache."""
-        q, k, v = self.rotate(fused, rope)
-        if plan.write_index is None:
-            plan.write_index = cache.run_index(plan.slots, plan.starts, plan.n)
-        cache.write_runs(layer, plan.slots, plan.starts, k, v, plan.write_index)
+    def _attend(self, q, mask, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
+        """Queries [b, heads, n, d] of `plan`'s dense rows, whose keys are in the cache already ->
+        attention output [b, n, q]."""
         outs = []
         for first, end, kv_len in plan.runs:
             keys, values = cache.read(layer, plan.slots[first:end], kv_len)  # [rows, kv_heads, L, d]
