@@ -9,6 +9,7 @@ verifies per batch size), and for each drafting step the plan's expected tokens 
 it emitted and took. Extra config overrides follow the arguments (e.g. spec.guard_in_process=true).
 
     python scripts/step_costs.py 8 64 0 humaneval              # batch, prompts, temperature, workload
+    python scripts/step_costs.py 4,8,16 64 0,0.7 gsm8k         # the grid's cells in turn, one process
     python scripts/step_costs.py 4 64 0 gsm8k spec.guard_in_process=true
 
 Export LD_PRELOAD=<python prefix>/lib/libiomp5.so first, as the benches do.
@@ -26,6 +27,7 @@ from bench.datasets import workload_prompts
 from cluster.first_start import ensure_serving_drafter
 from configs import load_config
 from workers.core.sampling import SamplingParams
+from workers.drafters.base import SCRATCH_PREFIX
 from workers.engine.build import build_engine
 from workers.engine.types import NewRequest, SpecParams
 from workers.models.loader import ensure_target_model, load_tokenizer
@@ -50,6 +52,11 @@ class Meter:
         self._verify, self._propose = engine.target.verify, engine.drafter.propose
         engine.target.verify, engine.drafter.propose = self.verify, self.propose
         gc.callbacks.append(self._gc)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.verifies.clear()
+        self.plans.clear()
 
     def _wrap(self, obj, name: str, label: str) -> None:
         call = getattr(obj, name)
@@ -96,29 +103,54 @@ class Meter:
 
 
 def main(argv: list[str]) -> None:
-    batch, num, temperature, workload = int(argv[0]), int(argv[1]), float(argv[2]), argv[3]
+    batches = [int(b) for b in argv[0].split(",")]
+    temperatures = [float(t) for t in argv[2].split(",")]
+    num, workload = int(argv[1]), argv[3]
     base_cfg = load_config([])
     model_dir = ensure_target_model(base_cfg.target.model_path, base_cfg.cache_dir)
     prompts = [ids for _, ids in workload_prompts(workload, num, load_tokenizer(model_dir))]
-    cfg = load_config([f"target.model_path={model_dir}", "target.num_threads=2", f"target.max_slots={batch}",
-                       "target.max_seq_len=512", f"drafter.max_slots={batch}", *argv[4:]])
+    top = max(batches)
+    cfg = load_config([f"target.model_path={model_dir}", "target.num_threads=2", f"target.max_slots={top}",
+                       "target.max_seq_len=512", f"drafter.max_slots={top}", *argv[4:]])
     ensure_serving_drafter(cfg, str(model_dir))
-    engine = build_engine(cfg, speculative=True, max_running=batch)
-    spec, off = SpecParams.from_config(cfg.spec), SpecParams(enabled=False)
-    engine.generate([NewRequest("__scratch__warmup", prompts[0], SamplingParams(), 8, spec)], ignore_eos=True)
+    engine = build_engine(cfg, speculative=True, max_running=top)
+    spec = SpecParams.from_config(cfg.spec)
+    engine.generate([NewRequest(f"{SCRATCH_PREFIX}warmup", prompts[0], SamplingParams(), 8, spec)],
+                    ignore_eos=True)
     meter = Meter(engine)
+    # the cells in the grid's order, in one process, as `specd bench engine` runs them
+    for batch in batches:
+        for temperature in temperatures:
+            clear = getattr(engine.drafter.drafter, "clear_index", None)
+            if clear is not None:
+                clear()   # as the bench does: a cell must not draft from an earlier cell's outputs
+            meter.reset()
+            wall = run_cell(engine, meter, spec, prompts, batch, temperature)
+            print(f"batch {batch}, {num} {workload} prompts, T = {temperature}: base {wall['base']:.2f} s, "
+                  f"spec {wall['spec']:.2f} s, spec / target-only {wall['base'] / wall['spec']:.3f}x")
+            report(meter, batch)
+
+
+def run_cell(engine, meter: Meter, spec: SpecParams, prompts, batch: int, temperature: float) -> dict:
+    """Groups of `batch` prompts, target-only and speculative in ABBA order; wall seconds per mode."""
+    off = SpecParams(enabled=False)
     wall: dict[str, float] = collections.defaultdict(float)
-    for g in range(0, num, batch):
+    for g in range(0, len(prompts), batch):
         for mode in (["base", "spec"] if (g // batch) % 2 == 0 else ["spec", "base"]):
             meter.mode = mode
             params = spec if mode == "spec" else off
-            requests = [NewRequest(f"{mode}-{g}-{i}", p, SamplingParams(temperature=temperature, seed=g + i),
-                                   NEW_TOKENS, params) for i, p in enumerate(prompts[g:g + batch])]
+            # the bench's ids: target-only requests are scratch, so the suffix index never learns them
+            prefix = f"{SCRATCH_PREFIX}base" if mode == "base" else "spec"
+            requests = [NewRequest(f"{prefix}-{batch}-{temperature}-{g}-{i}", p,
+                                   SamplingParams(temperature=temperature, seed=g + i), NEW_TOKENS, params)
+                        for i, p in enumerate(prompts[g:g + batch])]
             t0 = time.perf_counter()
             engine.generate(requests, ignore_eos=True)
             wall[mode] += time.perf_counter() - t0
-    print(f"batch {batch}, {num} {workload} prompts, T = {temperature}: base {wall['base']:.2f} s, "
-          f"spec {wall['spec']:.2f} s, spec / target-only {wall['base'] / wall['spec']:.3f}x")
+    return wall
+
+
+def report(meter: Meter, batch: int) -> None:
     for key in sorted(meter.seconds):
         print(f"  {key[0]:5s} {key[1]:16s} {meter.seconds[key]:8.3f} s")
     print("verify seconds, spec mode: batch, kind, count, predicted, measured, measured / predicted")
@@ -129,7 +161,8 @@ def main(argv: list[str]) -> None:
     for (b, kind), rows in sorted(cells.items()):
         pred, took = sum(p for p, _ in rows), sum(t for _, t in rows)
         print(f"  {b:3d} {kind:5s} {len(rows):5d} {pred:8.2f} {took:8.2f} {took / pred:6.3f}")
-    plain = {m: [t for mm, b, d, _, t in meter.verifies if mm == m and b == batch and not d] for m in wall}
+    plain = {m: [t for mm, b, d, _, t in meter.verifies if mm == m and b == batch and not d]
+             for m in ("base", "spec")}
     print("plain verify at full batch, median ms: " + ", ".join(
         f"{m} {1000 * statistics.median(v):.1f}" for m, v in plain.items() if v))
     if meter.plans:

@@ -157,6 +157,37 @@ def test_ragged_rows_skip_their_padding_and_change_nothing_real(tiny):
         torch.testing.assert_close(ragged_k, padded_k, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("counts", [[3, 1, 1, 2], [1, 1, 4, 1], [2, 4, 3, 2]])
+def test_ragged_rows_after_prefixes_of_different_lengths_match_each_row_alone(tiny, counts):
+    """Ragged forwards pack their tokens group by group (one-token rows, then the longer ones), write
+    K/V for the packed tokens at once and attend per group: each row's logits and cached keys equal a
+    forward of that row alone, whatever the prefixes, the order of counts, and with scattered slots."""
+    prefixes = [[3, 4, 5], [6], [7, 8, 9, 10, 11, 12], [13, 14]]
+    new = [[20 + 3 * i + j for j in range(c)] for i, c in enumerate(counts)]
+    n = max(counts)
+    alone, alone_cache = [], _fresh(tiny, num_slots=6)
+    for prefix, toks in zip(prefixes, new, strict=True):
+        slot = alone_cache.allocate()
+        _extend(tiny, alone_cache, slot, prefix)
+        alone.append((_extend(tiny, alone_cache, slot, toks), alone_cache.k[1, slot].clone()))
+    cache = _fresh(tiny, num_slots=6)
+    owned = [cache.allocate() for _ in range(6)]
+    slots = [owned[5], owned[0], owned[3], owned[1]]     # out of order and not consecutive
+    for slot, prefix in zip(slots, prefixes, strict=True):
+        _extend(tiny, cache, slot, prefix)
+    starts = [len(p) for p in prefixes]
+    ids = torch.tensor([t + [0] * (n - len(t)) for t in new])
+    pos = torch.tensor(starts)[:, None] + torch.arange(n)
+    with torch.inference_mode():
+        logits = tiny(ids, pos, slots, cache, counts=counts)
+    for row, (c, start) in enumerate(zip(counts, starts, strict=True)):
+        want_logits, want_k = alone[row]
+        torch.testing.assert_close(logits[row, :c], want_logits, atol=ATOL, rtol=0)
+        assert logits[row, c:].eq(0).all()
+        got_k = cache.k[1, slots[row], :, : start + c]
+        torch.testing.assert_close(got_k, want_k[:, : start + c], atol=ATOL, rtol=0)
+
+
 def test_tree_mask_gives_the_logits_of_the_corresponding_chains(tiny):
     # Tree after a 3-token prefix:     root(40) -> a(41) -> c(43)
     #                                           -> b(42) -> d(44)
