@@ -127,7 +127,8 @@ def iomp_library() -> str | None:
 
 
 def build_jobs(
-    plan: Plan, overrides: list[str], threads: int, iomp: bool = True, paired: bool = False
+    plan: Plan, overrides: list[str], threads: int, iomp: bool = True, paired: bool = False,
+    lockstep: bool = False,
 ) -> tuple[dict, dict, dict]:
     """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
     from configs import load_config
@@ -171,7 +172,8 @@ def build_jobs(
         # a one-time cost per process, like loading, so every system first runs each cell's first group
         # untimed there. On the CPU nothing is captured and the single warm-up generate is enough.
         "warm_each_cell": str(cfg.target.device).startswith("cuda"),
-        "paired": paired,
+        "paired": paired or lockstep,
+        "lockstep": lockstep,
         "cells": cells,
     }
     jobs, skipped = {}, {}
@@ -189,6 +191,8 @@ def build_jobs(
         "ld_preload": common["ld_preload"],
         # target.device and, on CUDA, the GPU's name: a result file says what it ran on
         "device": device_info(cfg.target.device),
+        # how the paired baseline was interleaved: by group (ABBA) or step by step (--lockstep)
+        "paired_by": ("step" if lockstep else "group") if paired or lockstep else None,
     }
     return jobs, skipped, meta
 
@@ -319,7 +323,9 @@ NOTES = (
     "α = accepted / drafted, MAL = (accepted + recovered + bonus) / steps; vLLM's from its spec-decode "
     "counters. RSS = peak of the system's own child process (vLLM: its process tree, sampled).",
     "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run; "
-    "paired (--paired) divides by target-only run in the same process on the same groups, interleaved.",
+    "paired (--paired) divides by target-only run in the same process on the same groups, interleaved "
+    "(by group, ABBA; with --lockstep step by step, both batches on one engine, each timed on its own "
+    "steps).",
     "every child uses the same torch thread count (--threads) and OpenMP runtime (Intel, unless --no-iomp).",
     "spread (--rounds N) = (max - min) / median of a system's tokens/s over its N fresh processes; the "
     "JSON's paired_base_vs_target_only is the same decoding (speculation off) in the specd system's process "
@@ -336,7 +342,8 @@ def run_bench(args: argparse.Namespace) -> int:
         console = Console(width=170)
     plan = resolve_plan(args)
     started = time.time()
-    jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, iomp=args.iomp, paired=args.paired)
+    jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, iomp=args.iomp, paired=args.paired,
+                                     lockstep=args.lockstep)
     console.print("device: " + ", ".join(f"{k} {v}" for k, v in meta["device"].items()))
     if meta["ld_preload"]:
         console.print(f"every system runs with LD_PRELOAD={meta['ld_preload']} (Intel OpenMP; see --no-iomp)")
@@ -401,6 +408,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every speculative specd system also runs target-only on each group of "
                              "prompts in its own process, alternating which goes first: a ratio that "
                              "machine-speed drift between systems cannot bias (doubles their run time)")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="--paired at step granularity: each group's target-only and speculative "
+                             "batches run together on the engine, a step of one then a step of the other, "
+                             "so both see the machine at the same moments (this CPU's speed moves by "
+                             "5-15%% within seconds, as long as a group takes)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system N times, each in a fresh process (A B A B ...): rows carry "
                              "the median and each process's tokens/s, and the spread between processes "

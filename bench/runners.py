@@ -75,6 +75,11 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             # groups and after it on odd ones, so drift in machine speed falls on both alike.
             order = (["base", "spec"] if g % 2 == 0 else ["spec", "base"]) if paired else ["spec"]
             before = (result.get("paired_base_wall_s"), result.get("paired_base_tokens"), result["wall_s"])
+            if paired and job.get("lockstep"):
+                order = []    # both at once, below
+                mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
+                seqs = _run_lockstep(engine, mine, made, cell["batch"], job["max_new_tokens"], result,
+                                     on_step=lambda _s, emitted: events.tokens(len(emitted)))
             for phase in order:
                 if phase == "base":
                     _run_paired_base(engine, made, job["max_new_tokens"], result)
@@ -121,6 +126,30 @@ def _run_paired_base(engine, made: list, max_new_tokens: int, result: dict[str, 
     base = engine.generate(requests, ignore_eos=True)
     result["paired_base_wall_s"] += time.perf_counter() - start
     result["paired_base_tokens"] += sum(len(s.output) for s in base)
+
+
+def _run_lockstep(engine, mine: list, made: list, batch: int, max_new_tokens: int, result: dict[str, Any],
+                  on_step=None) -> list:
+    """--lockstep: the group's speculative requests and its target-only twins (scratch ids, speculation
+    off) as two batches on one engine, a step of one then a step of the other (which goes first alternates),
+    each timed on its own steps; adds both to `result` and returns the speculative sequences."""
+    from workers.drafters.base import SCRATCH_PREFIX
+    from workers.engine.types import NewRequest, SpecParams
+
+    off = SpecParams(enabled=False)
+    twins = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, max_new_tokens, off) for rid, p, sp in made]
+    spec = engine.batch(mine, max_running=batch, on_step=on_step, ignore_eos=True)
+    base = engine.batch(twins, max_running=batch, ignore_eos=True)
+    turn = 0
+    while not (spec.finished and base.finished):
+        for side in ((spec, base) if turn % 2 == 0 else (base, spec)):
+            if not side.finished:
+                side.advance()
+        turn += 1
+    result["wall_s"] += spec.seconds
+    result["paired_base_wall_s"] += base.seconds
+    result["paired_base_tokens"] += sum(len(s.output) for s in base.sequences())
+    return spec.sequences()
 
 
 def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:

@@ -127,15 +127,17 @@ SYSTEMS: dict[str, System] = {
 def specd_overrides(system: System, job: dict[str, Any]) -> list[str]:
     """Config overrides for one specd system: the user's first, then what the benchmark must fix."""
     out = list(job.get("overrides", []))
+    # --lockstep runs a group's target-only batch beside the speculative one: twice the target's slots
+    slots = job["max_batch"] * (2 if job.get("lockstep") else 1)
     if system.defaults:
         # only what the benchmark must fix (model, threads, sizes): speculation exactly as configured
         return out + [f"target.model_path={job['model_dir']}", f"target.num_threads={job.get('threads', 2)}",
-                      f"target.max_slots={job['max_batch']}", f"target.max_seq_len={job['max_seq_len']}",
+                      f"target.max_slots={slots}", f"target.max_seq_len={job['max_seq_len']}",
                       f"drafter.max_slots={job['max_batch']}"]
     out += [
         f"target.model_path={job['model_dir']}",
         f"target.num_threads={job.get('threads', 2)}",
-        f"target.max_slots={job['max_batch']}",
+        f"target.max_slots={slots}",
         f"target.max_seq_len={job['max_seq_len']}",
         f"drafter.max_slots={job['max_batch']}",
         f"spec.gamma_max={max(8, system.gamma)}",

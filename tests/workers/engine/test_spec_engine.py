@@ -174,3 +174,31 @@ def test_drafter_hot_swap_keeps_output_exact(cfg, target, tiny_drafter_dir, tmp_
     out = [s.output for s in engine.generate(reqs, on_step=on_step, ignore_eos=True)]
     assert out == base
     assert drafter.version() == "tiny-2"
+
+
+def test_two_batches_advanced_in_turn_decode_as_each_would_alone(cfg, target):
+    """Batch: what generate() loops over, one step per advance(). Two on one engine in turn (the engine
+    benchmark's step-paired baseline: speculative beside target-only) give each its own outputs, greedy
+    and seeded sampling alike, and each its own time."""
+    engine = SpecEngine(target, _drafter(cfg, target))
+    sampled = SamplingParams(temperature=0.8, seed=5)
+    alone = {
+        "spec": _outputs(engine, _requests(SpecParams(gamma=3), n=12, prompts=PROMPTS[:3], prefix="a")),
+        "off": _outputs(engine, _requests(SpecParams(enabled=False), sampled, n=12, prompts=PROMPTS[:3],
+                                          prefix="b")),
+    }
+    spec = engine.batch(_requests(SpecParams(gamma=3), n=12, prompts=PROMPTS[:3], prefix="c"), max_running=3,
+                        ignore_eos=True)
+    off = engine.batch(_requests(SpecParams(enabled=False), sampled, n=12, prompts=PROMPTS[:3], prefix="d"),
+                       max_running=3, ignore_eos=True)
+    steps = 0
+    while not (spec.finished and off.finished):
+        for batch in (spec, off):
+            if not batch.finished:
+                batch.advance()
+        steps += 1
+    assert [s.output for s in spec.sequences()] == alone["spec"]
+    assert [s.output for s in off.sequences()] == alone["off"]
+    assert [s.request_id for s in spec.sequences()] == ["c0", "c1", "c2"]
+    assert steps == 11 and spec.seconds > 0 and off.seconds > 0   # the prefill's token, then 11 steps
+    assert not target.running                                    # every slot given back
