@@ -78,6 +78,10 @@ def test_specd_overrides_fix_what_the_benchmark_needs():
     assert "drafter.target_hidden=true" in specd_overrides(SYSTEMS["specd-chain"], job)
     assert "drafter.target_hidden=false" in specd_overrides(SYSTEMS["specd-chain-tokens"], job)
     assert "drafter.kind=hybrid" in specd_overrides(SYSTEMS["specd-hybrid"], job)
+    # --lockstep holds a group's target-only batch beside the speculative one: twice the target's slots
+    for name in ("specd-default", "specd-ngram"):
+        both = specd_overrides(SYSTEMS[name], {**job, "lockstep": True})
+        assert "target.max_slots=16" in both and "drafter.max_slots=8" in both
 
 
 def test_vllm_specd_systems_select_the_vllm_backend_with_an_engine_wide_gamma():
