@@ -3,7 +3,7 @@
 import pytest
 
 from workers.core.gamma import GoodputGamma, build_gamma_policy
-from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
+from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel, interpolate
 
 BATCHES = (1, 4, 16)
 N_MAX = 9
@@ -291,3 +291,36 @@ def test_drafting_verifies_never_raise_the_plain_one_token_price() -> None:
         costs.observe_verify([2, 1, 1, 1], 2 * one_draft)
     assert costs.verify_seconds(4, 1) == pytest.approx(plain)
     assert costs.step_seconds([2, 1, 1, 1], [1, 0, 0, 0]) > 1.5 * one_draft
+
+
+def test_a_plans_frozen_batch_prices_match_the_model_at_every_shape() -> None:
+    """BatchCosts (the prices a plan freezes for its batch size) against the tables interpolated directly:
+    batch sizes between and past the profiled ones, fractional and past-the-table tokens per row, rows of
+    different lengths per batch size, a ragged table, a drafting factor and host figures."""
+    profile = CostProfile(verify={1: [0.030, 0.031, 0.033], 4: [0.040, 0.050, 0.061, 0.075, 0.090],
+                                  16: [0.070, 0.100, 0.140, 0.170]},
+                          draft={1: 0.002, 8: 0.005}, pad_weight=0.3, ragged={4: 0.002, 16: 0.004})
+    costs = StepCostModel(profile)
+    costs.draft_factor[4] = 1.15
+    costs.host_draft[4], costs.host_plain[4] = 0.004, 0.001
+
+    def table(b: float, n: float) -> float:
+        per_b = [interpolate(range(1, len(row) + 1), row, n) for row in profile.verify.values()]
+        return max(interpolate([1, 4, 16], per_b, b), 0.0)
+
+    for b in (1, 2, 3, 5, 9, 16, 24):
+        frozen = costs.at(b)
+        for n in (1, 1.4, 2, 3.7, 5, 6.5, 9):
+            assert frozen.verify_seconds(n) == pytest.approx(table(b, n), rel=1e-12)
+        rows = [1] * (b - 1) + [4]
+        depths = [0] * (b - 1) + [3]
+        mean = sum(rows) / b
+        ragged = 0.0 if b == 1 else interpolate([4, 16], [0.002, 0.004], b)
+        expected = ((table(b, mean + 0.3 * (4 - mean)) + max(ragged, 0.0)) * costs.drafting_factor(b)
+                    + costs.draft_seconds(1, 3))
+        assert frozen.step_seconds(rows, depths) == pytest.approx(expected, rel=1e-12)
+        assert costs.step_seconds(rows, depths) == pytest.approx(expected, rel=1e-12)
+        free = frozen.step_seconds(rows, depths, free=[True] * b)
+        assert free == pytest.approx(expected - costs.draft_seconds(1, 3), rel=1e-12)
+        assert frozen.step_seconds([1] * b, [0] * b) == pytest.approx(table(b, 1), rel=1e-12)
+        assert frozen.host == costs.host_seconds(b)
