@@ -153,7 +153,7 @@ class DrafterConfig:
     suffix_max_match: int = 12          # longest context suffix matched
     suffix_min_match: int = 2           # shorter matches do not draft
     suffix_min_prob: float = 0.1        # a drafted node's path frequency must reach this
-    suffix_max_nodes: int = 1_000_000   # global index size cap; past it the oldest indexed requests go
+    suffix_max_nodes: int = 400_000     # global index size cap; past it the oldest indexed requests go
     suffix_model_cost: float = 0.1      # a model-drafted level's cost, in target forwards
     suffix_index_tokens_per_step: int = 256  # finished requests' tokens indexed per step (spreads the cost)
 

@@ -4,11 +4,11 @@ model drafter.
 Two kinds of suffix index (workers/drafters/suffix_index.py):
 - a global one over the prompts and outputs this drafter has served, built from traffic: a request is
   queued for indexing when it finishes (remove_request), so the next request that repeats it (an edited
-  prompt, a conversation quoting an earlier turn) drafts from it. Indexing costs O(len × max_depth)
-  python operations, tens of ms for a few hundred tokens here, so it is spread over the next steps:
-  each propose indexes at most `index_tokens_per_step` queued tokens first (flush() does the rest).
-  Memory is bounded by `max_nodes` trie nodes: past the cap the least recently indexed requests are
-  removed (exactly: their counts are subtracted).
+  prompt, a conversation quoting an earlier turn) drafts from it. Indexing costs python operations per
+  token (about 3 us here), so it is spread over the next steps: each propose indexes at most
+  `index_tokens_per_step` queued tokens first (flush() does the rest). Memory is bounded by `max_nodes`
+  trie nodes: past the cap the least recently indexed requests are removed (exactly: their counts are
+  subtracted), oldest first, which is what lets the index fold paths back to one node when a copy goes.
 - one per running request over its own prompt and output, growing at every commit: a ContextIndex, which
   drafts what a SuffixIndex over the sequence would but only records positions as tokens come (an
   O(len × max_depth) index per request was most of what this drafter cost a batch that drafted nothing).
@@ -88,7 +88,7 @@ class SuffixDrafter(Drafter):
         max_match: int = 12,
         min_match: int = 2,
         min_prob: float = 0.1,
-        max_nodes: int = 1_000_000,
+        max_nodes: int = 400_000,
         model_cost: float = 0.1,
         model_prior: float = 0.6,
         index_tokens_per_step: int = 256,
@@ -101,10 +101,10 @@ class SuffixDrafter(Drafter):
         self.model_cost, self.model_prior = model_cost, model_prior
         self.uses_target_hidden = bool(model is not None and model.uses_target_hidden)
         self.global_index = SuffixIndex(max_depth)
-        self.indexed: OrderedDict[int, list[int]] = OrderedDict()   # LRU of indexed requests
+        # LRU of indexed requests: the global index's sequence id -> tokens (the index keeps the tokens)
+        self.indexed: OrderedDict[int, int] = OrderedDict()
         self.index_tokens_per_step = index_tokens_per_step
         self._pending: deque[list] = deque()   # [tokens, position, walk state] of requests being indexed
-        self._next_key = 0
         self.requests: dict[str, _Request] = {}
         self.counts = {s: {"steps": 0, "drafted": 0, "accepted": 0} for s in SOURCES}
         # by greedy (True) and sampled (False) requests
@@ -224,10 +224,9 @@ class SuffixDrafter(Drafter):
             if end < len(tokens):
                 return
             self._pending.popleft()
-            self.indexed[self._next_key] = tokens
-            self._next_key += 1
+            self.indexed[job[2].seq] = len(tokens)
             while self.global_index.num_nodes > self.max_nodes and self.indexed:
-                _, old = self.indexed.popitem(last=False)
+                old, _ = self.indexed.popitem(last=False)
                 self.global_index.remove(old)
 
     # ---- drafting -------------------------------------------------------------------------------

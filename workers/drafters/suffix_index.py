@@ -1,10 +1,12 @@
 """Suffix index for SuffixDecoding (Oliaro et al.; Snowflake Arctic Inference): a trie of every substring of
 up to `max_depth` tokens of the sequences it holds, each node counting its occurrences.
 
-Adding a sequence walks it once, keeping the nodes of the substrings that end at the current token (at
-most max_depth of them) and stepping each to its child for the next token: O(len × max_depth) counter
-updates. Removing a sequence makes the same walk with -1 and drops nodes whose count reaches 0, so the
-index of many sequences equals the sum of their indexes (what makes eviction exact).
+The global index (SuffixIndex) keeps the paths of substrings seen once compressed: a node met once keeps,
+in place of children, where in which sequence its path goes on (a tail), so a sequence costs about a node
+per token (GSM8K question + answer: 354 nodes a request instead of 4,188; scripts/suffix_index_memory.py)
+and adding a token updates only the substrings ending there that occur elsewhere too, not max_depth of
+them. Removing a sequence walks it again with -1, so the index of many sequences is the plain trie of
+their sum (what makes eviction exact); see SuffixIndex.
 
 Drafting: find the longest suffix of the context (up to max_match tokens) that is a path in the trie with
 at least one continuation, then grow the continuation best-first by its empirical probability: each child
@@ -17,8 +19,8 @@ Plain python. A node is an id into two lists (its count, its children), not an o
 None, one int packing (token, child) (most nodes have one child), or a {token: child} dict, and neither
 ints nor dicts of ints are objects the garbage collector tracks, so a full collection does not walk the
 index (as objects, 0.2-0.6 s a collection at 0.3-0.8 M nodes, 1-2% of an engine benchmark cell at batch
-8-16, and a stall of that length in serving). Ids of removed nodes are reused. README gives measured
-bytes per node.
+8-16, and a stall of that length in serving). Ids of removed nodes are reused. A tail is a negative int
+in the children's place. README gives measured bytes per node.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ class _Trie:
         count = self.count
         return sorted(kids.items(), key=lambda kv: (-count[kv[1]], kv[0]))
 
+    def ranked(self, node: int) -> list[tuple[int, int, int]]:
+        """children() with each child's count: (token, child, count)."""
+        return [(t, c, self.count[c]) for t, c in self.children(node)]
+
 
 @dataclass
 class SuffixDraft:
@@ -116,6 +122,8 @@ class _Drafting:
     max_depth: int
 
     def _below_match(self, context: list[int], depth: int, max_match: int, min_match: int):
+        """(children, position, matched): children(position) lists (token, position, count) of a node
+        of the index, most frequent first; position is the match's node (None: no match)."""
         raise NotImplementedError
 
     def draft(
@@ -130,124 +138,261 @@ class _Drafting:
     ) -> SuffixDraft:
         """The most probable continuation tree of the longest match: ≤ depth levels, ≤ width children per
         node, ≤ max_nodes nodes (default depth × width), each node's path probability ≥ min_prob."""
-        trie, node, matched = self._below_match(context, depth, max_match, min_match)
-        return _grow(trie, node, matched, depth, self.max_depth, width, max_nodes, min_prob)
+        children, node, matched = self._below_match(context, depth, max_match, min_match)
+        return _grow(children, node, matched, depth, self.max_depth, width, max_nodes, min_prob)
+
+
+def _tail(seq: int, start: int, depth: int, mark: bool = False) -> int:
+    """The code kept in place of a head node's children: the rest of its path is sequence `seq` from
+    `start` on, as far as max_depth allows from the head's `depth` (a negative int: no child id is).
+    mark: no path below at all; only where the node's newest occurrence ends (see SuffixIndex._push)."""
+    return -1 - ((seq << 29) | (int(mark) << 28) | (start << 8) | depth)
+
+
+def _untail(code: int) -> tuple[int, int, int, bool]:
+    v = -1 - code
+    return v >> 29, (v >> 8) & 0xFFFFF, v & 0xFF, bool(v >> 28 & 1)
+
+
+@dataclass
+class Indexing:
+    """extend()'s state for a sequence being indexed: its id and the nodes of the substrings ending at its
+    last token that occur elsewhere too (shortest first; see SuffixIndex)."""
+
+    seq: int
+    walkers: list[int] = field(default_factory=list)
 
 
 class SuffixIndex(_Drafting):
+    """The trie of every substring of up to max_depth tokens, path-compressed where a substring occurs once.
+
+    A substring seen once has a path of count-1 nodes down to max_depth whose tokens are just the rest of
+    the one sequence it occurs in, and most substrings of served text are seen once. So the first node of
+    such a path (a head) keeps, in place of children, a code naming the sequence and the position its
+    path continues from (`_tail`); the index keeps the sequences it holds. Adding a token then updates
+    only the substrings ending there that occur elsewhere too (`Indexing.walkers`, a few on prose) and
+    makes one head for each that just became unique, instead of max_depth node updates; the nodes below a
+    head are materialised (the head's tail pushed one node down) only when a second occurrence walks
+    into them. Removing a sequence walks it again with -1, frees a path whose count reaches 0, and turns
+    a path left with one occurrence back into a head with a tail where it can (`_collapse`).
+    Counts, matches and drafts are those of the plain trie; num_nodes counts the nodes kept."""
+
     def __init__(self, max_depth: int = 24) -> None:
-        if max_depth < 2:
-            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        if not 2 <= max_depth < 256:
+            raise ValueError(f"max_depth must be in [2, 255], got {max_depth}")
         self.max_depth = max_depth
         self.trie = _Trie()
         self.root = 0
         self.num_nodes = 0
+        self.seqs: dict[int, list[int]] = {}    # the sequences indexed, by id (tails point into them)
+        self._next_seq = 0
+        self._open: int | None = None           # the one sequence extend() may still grow
 
     # ---- building -------------------------------------------------------------------------------
-    def add(self, tokens: list[int]) -> None:
-        self._walk(tokens, +1, [])
+    def add(self, tokens: list[int]) -> int:
+        """Index a whole sequence; returns its id (for remove)."""
+        return self.extend(tokens).seq
 
-    def remove(self, tokens: list[int]) -> None:
-        """Undo add(tokens) for the same tokens (counts and nodes come back to what they were)."""
-        self._walk(tokens, -1, [])
+    def extend(self, tokens: list[int], state: Indexing | None = None) -> Indexing:
+        """Append tokens to the sequence being indexed; pass back what the previous call returned (None
+        starts a new sequence). Only the sequence started last may grow, and only until a remove():
+        tails and marks may point at its end. extend(a) then extend(b, state) indexes what add(a + b)
+        does."""
+        if state is None:
+            state = Indexing(self._next_seq)
+            self._next_seq += 1
+            self.seqs[state.seq] = []
+            self._open = state.seq
+        elif state.seq != self._open:
+            raise ValueError(f"sequence {state.seq} is closed: only the one started last may grow")
+        if len(self.seqs[state.seq]) + len(tokens) >= 1 << 20:
+            raise ValueError("a sequence of 2**20 tokens or more cannot be indexed")
+        state.walkers = self._add_walk(state.seq, tokens, state.walkers)
+        return state
 
-    def extend(self, tokens: list[int], active: list | None = None) -> list:
-        """Append tokens to a sequence being indexed as it grows; pass back what the previous call returned
-        (None to start a sequence). extend(a) then extend(b, state) indexes exactly what add(a + b) does."""
-        return self._walk(tokens, +1, active or [])
-
-    def _walk(self, tokens: list[int], sign: int, active: list[int]) -> list[int]:
-        # active: nodes of the substrings ending at the previous token, shortest first
-        if sign > 0:
-            return self._add_walk(tokens, active)
-        for token in tokens:
-            active = [self.root, *active[: self.max_depth - 1]]
-            stepped = []
-            for parent in active:
-                node = self._drop_one(parent, token)
-                if node >= 0:
-                    stepped.append(node)
-            active = stepped
-        return active
-
-    def _add_walk(self, tokens: list[int], active: list[int]) -> list[int]:
-        """_walk with sign +1, inlined: it runs for every served token (max_depth node updates each), and
-        function calls per node made it most of the suffix drafter's cost per step at batch 16."""
+    def _add_walk(self, seq_id: int, tokens: list[int], walkers: list[int]) -> list[int]:
+        """Inlined: it runs for every served token."""
         keep, trie, created = self.max_depth - 1, self.trie, 0
         count, kids, new = trie.count, trie.kids, trie.new
+        seq = self.seqs[seq_id]
         for token in tokens:
+            seq.append(token)
+            after = len(seq)            # where a substring ending at this token continues
             stepped = []
-            for parent in (self.root, *active[:keep]):
+            # walkers: nodes at depth 1, 2, ... (met twice at least, so holding no tail but one of nothing)
+            for depth, parent in enumerate((self.root, *walkers[:keep])):
                 below = kids[parent]
-                if below is None:
-                    node = new()
-                    kids[parent] = token * SHIFT + node
-                    created += 1
+                if below is None or below.__class__ is int and below < 0:
+                    node, below = -1, None      # nothing below, or a tail of nothing (see _push)
                 elif type(below) is int:
-                    if below // SHIFT == token:
-                        node = below % SHIFT
-                    else:
-                        node = new()
-                        kids[parent] = {below // SHIFT: below % SHIFT, token: node}
-                        created += 1
+                    node = below % SHIFT if below // SHIFT == token else -1
                 else:
                     node = below.get(token, -1)
-                    if node < 0:
-                        node = below[token] = new()
-                        created += 1
+                if node < 0:
+                    # first time this substring occurs: a head whose path is the rest of this sequence
+                    node = new()
+                    count[node] = 1
+                    kids[node] = _tail(seq_id, after, depth + 1)
+                    created += 1
+                    if below is None:
+                        kids[parent] = token * SHIFT + node
+                    elif type(below) is int:
+                        kids[parent] = {below // SHIFT: below % SHIFT, token: node}
+                    else:
+                        below[token] = node
+                    continue
                 count[node] += 1
+                below = kids[node]
+                if type(below) is int and below < 0:
+                    created += self._push(node, below, seq_id, after)
                 stepped.append(node)
-            active = stepped
+            walkers = stepped
         self.num_nodes += created
-        return active
+        return walkers
 
-    def _drop_one(self, parent: int, token: int) -> int:
-        """One occurrence less of parent's child along token (unlinked at 0); -1 when it is gone already
-        (with an ancestor: nothing of this path is left to count)."""
-        node = self.trie.child(parent, token)
-        if node < 0:
-            return -1
-        self.trie.count[node] -= 1
-        if self.trie.count[node] <= 0:
-            self.trie.drop_child(parent, token)
-            self.num_nodes -= 1
-        return node
+    def _push(self, node: int, code: int, seq_id: int, after: int) -> int:
+        """`node`, which held a tail, is met again (by sequence seq_id, continuing at `after`): the tail's
+        first node becomes a node (a head with the rest of the tail). Returns the nodes made. A node at
+        max_depth keeps a tail of nothing: where its newest occurrence is, which is what lets a path left
+        with one occurrence fold back into a tail (`_collapse`; requests are evicted oldest first)."""
+        ref, start, depth, mark = _untail(code)
+        seq = self.seqs.get(ref, ()) if depth < self.max_depth and not mark else ()
+        if start >= len(seq):
+            # Nothing below (max_depth, or its sequence ended there): a mark of where the newest
+            # occurrence ends. A walker going on from the node replaces it with children.
+            self.trie.kids[node] = _tail(seq_id, after, depth, mark=True)
+            return 0
+        child = self.trie.new()
+        self.trie.count[child] = 1
+        self.trie.kids[child] = _tail(ref, start + 1, depth + 1)
+        self.trie.kids[node] = seq[start] * SHIFT + child
+        return 1
+
+    def remove(self, seq_id: int) -> None:
+        """Undo add() of the sequence with this id: counts come back to what they were without it; paths
+        left with one occurrence become heads again where their occurrence's position is known. A walker
+        stops at a tail: a node holding one is met once, by this walk, and the tail is its own."""
+        seq = self.seqs[seq_id]
+        # The sequence being extended ends here: its walkers may stand on nodes a fold frees.
+        self._open = None
+        trie, keep = self.trie, self.max_depth - 1
+        count = trie.count
+        walkers: list[int] = []
+        single: list[tuple[int, int, int]] = []   # (parent, node, depth) of nodes left at count 1
+        for token in seq:
+            stepped = []
+            for depth, parent in enumerate((self.root, *walkers[:keep])):
+                node = trie.child(parent, token)
+                if node < 0:
+                    continue    # below a tail, or past where the path was cut: nothing more is counted
+                count[node] -= 1
+                if count[node] == 0:
+                    # Unlinked now; the walk goes on through it (its entries stay until its id is reused),
+                    # since this sequence's other occurrences below it are counted off later.
+                    trie.drop_child(parent, token)
+                    self.num_nodes -= 1
+                elif count[node] == 1:
+                    single.append((parent, node, depth + 1))
+                stepped.append(node)
+            walkers = stepped
+        del self.seqs[seq_id]
+        for parent, node, depth in single:
+            if count[node] == 1 and (parent == self.root or count[parent] >= 2):
+                self.num_nodes -= self._collapse(node, depth)
+
+    def _free_below(self, node: int) -> int:
+        """Free the nodes below `node` (a path: one occurrence has one continuation); returns how many."""
+        trie, freed = self.trie, 0
+        trie.count[node] = 0
+        below = trie.kids[node]
+        while type(below) is int and below >= 0:
+            child = below % SHIFT
+            trie.kids[node] = None
+            trie.free.append(child)
+            trie.count[child] = 0
+            freed += 1
+            node, below = child, trie.kids[child]
+        trie.kids[node] = None
+        return freed
+
+    def _collapse(self, head: int, depth: int) -> int:
+        """`head` (count 1, its parent met more often) keeps a path of count-1 nodes: fold it into a tail
+        when its end names the occurrence's sequence. Returns the nodes freed."""
+        trie, node, steps = self.trie, head, 0
+        below = trie.kids[head]
+        while type(below) is int and below >= 0:
+            node = below % SHIFT
+            below = trie.kids[node]
+            steps += 1
+        if steps == 0 or type(below) is not int:
+            return 0      # nothing to fold, or a path that ends without a tail (its end was met twice)
+        seq_id, start, _, _ = _untail(below)
+        if seq_id not in self.seqs:
+            return 0      # the tail named an occurrence removed since (removals out of order)
+        freed = self._free_below(head)
+        trie.count[head] = 1
+        trie.kids[head] = _tail(seq_id, start - steps, depth)
+        return freed
 
     # ---- drafting -------------------------------------------------------------------------------
+    def _step(self, node: int, off: int, token: int) -> tuple[int, int]:
+        """From position (node, off) (off > 0: that many tokens into node's tail) along token (-1: none)."""
+        below = self.trie.kids[node]
+        if type(below) is int and below < 0:
+            seq_id, start, depth, mark = _untail(below)
+            seq, i = self._tail_seq(seq_id, depth + off, mark), start + off
+            return (node, off + 1) if i < len(seq) and seq[i] == token else (-1, 0)
+        return self.trie.child(node, token), 0
+
+    def _children(self, pos: tuple[int, int]) -> list[tuple[int, tuple[int, int], int]]:
+        """(token, position, count) below a position, most frequent first (ties: smaller token first)."""
+        node, off = pos
+        below = self.trie.kids[node]
+        if type(below) is int and below < 0:
+            seq_id, start, depth, mark = _untail(below)
+            seq, i = self._tail_seq(seq_id, depth + off, mark), start + off
+            return [(seq[i], (node, off + 1), 1)] if i < len(seq) else []
+        count = self.trie.count
+        return [(t, (c, 0), count[c]) for t, c in self.trie.children(node)]
+
+    def _tail_seq(self, seq_id: int, depth: int, mark: bool) -> list[int] | tuple:
+        """The tokens a tail reads from at `depth`: none for a mark or at max_depth."""
+        return () if mark or depth >= self.max_depth else self.seqs.get(seq_id, ())
+
     def count(self, pattern: list[int]) -> int:
         """Occurrences of `pattern` in the indexed sequences (0 when absent or longer than max_depth)."""
-        node = self.root
+        node, off = self.root, 0
         for token in pattern:
-            node = self.trie.child(node, token)
+            node, off = self._step(node, off, token)
             if node < 0:
                 return 0
-        return self.trie.count[node]
+        return 1 if off else self.trie.count[node]
 
-    def match(self, context: list[int], max_match: int, min_match: int = 1) -> tuple[int | None, int]:
-        """Node of the longest suffix of context (min_match..max_match tokens) that has a continuation."""
+    def match(self, context: list[int], max_match: int,
+              min_match: int = 1) -> tuple[tuple[int, int] | None, int]:
+        """Position of the longest suffix of context (min_match..max_match tokens) that has a continuation."""
         longest = min(max_match, len(context), self.max_depth - 1)
-        found: list[int] = []
-        child = self.trie.child
+        found: list[tuple[int, int]] = []
         for k in range(1, longest + 1):
-            node = self.root
+            node, off = self.root, 0
             for token in context[len(context) - k:]:
-                node = child(node, token)
+                node, off = self._step(node, off, token)
                 if node < 0:
                     break
             if node < 0:
                 break  # a longer suffix contains this one, so it cannot be in the trie either
-            found.append(node)
+            found.append((node, off))
         for k in range(len(found), min_match - 1, -1):
-            if self.trie.kids[found[k - 1]] is not None:
+            if self._children(found[k - 1]):
                 return found[k - 1], k
         return None, 0
 
     def _below_match(self, context: list[int], depth: int, max_match: int, min_match: int):
-        node, matched = self.match(context, max_match, min_match)
-        return self.trie, node, matched
+        pos, matched = self.match(context, max_match, min_match)
+        return self._children, pos, matched
 
 
-def _grow(trie: _Trie, node: int | None, matched: int, depth: int, max_depth: int, width: int,
+def _grow(children, node, matched: int, depth: int, max_depth: int, width: int,
           max_nodes: int | None, min_prob: float) -> SuffixDraft:
     """Grow the draft below the match node best-first (see SuffixIndex.draft)."""
     out = SuffixDraft(match=matched)
@@ -258,7 +403,7 @@ def _grow(trie: _Trie, node: int | None, matched: int, depth: int, max_depth: in
     depth = min(depth, max_depth - matched)
     order = 0  # tie-break: earlier pushes first, so drafts are deterministic
     heap: list = []
-    for tok, child, p in _ranked(trie, node, width, 1.0):
+    for tok, child, p in _ranked(children, node, width, 1.0):
         heapq.heappush(heap, (-p, order := order + 1, tok, child, 0, 1))
     while heap and len(out.tokens) < budget:
         neg_p, _, tok, child, parent, level = heapq.heappop(heap)
@@ -270,15 +415,15 @@ def _grow(trie: _Trie, node: int | None, matched: int, depth: int, max_depth: in
         out.score += -neg_p
         if level < depth:
             here = len(out.tokens)
-            for t, c, p in _ranked(trie, child, width, -neg_p):
+            for t, c, p in _ranked(children, child, width, -neg_p):
                 heapq.heappush(heap, (-p, order := order + 1, t, c, here, level + 1))
     return out
 
 
-def _ranked(trie: _Trie, node: int, width: int, path_p: float) -> list[tuple[int, int, float]]:
-    kids = trie.children(node)
-    total = sum(trie.count[c] for _, c in kids)
-    return [(t, c, path_p * trie.count[c] / total) for t, c in kids[:width]] if total else []
+def _ranked(children, node, width: int, path_p: float) -> list[tuple[int, object, float]]:
+    kids = children(node)
+    total = sum(c for _, _, c in kids)
+    return [(t, pos, path_p * c / total) for t, pos, c in kids[:width]] if total else []
 
 
 class ContextIndex(_Drafting):
@@ -334,4 +479,4 @@ class ContextIndex(_Drafting):
                 below = trie.child(node, token)
                 node = below if below >= 0 else trie.add_child(node, token)
                 trie.count[node] += 1
-        return trie, 0, matched
+        return trie.ranked, 0, matched
