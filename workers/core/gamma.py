@@ -395,7 +395,11 @@ class GoodputGamma(GammaPolicy):
     @staticmethod
     def plan_batch(controller: GoodputController, slots: list[Slot], states: list[GammaState | None]) -> Plan:
         """Plan a batch; states[i] (None for a request another policy drafts) receives its (depth, width)."""
-        plan = controller.plan(slots)
+        return GoodputGamma.assign(controller.plan(slots), states)
+
+    @staticmethod
+    def assign(plan: Plan, states: list[GammaState | None]) -> Plan:
+        """Hand each state its (depth, width) of the plan (states[i] None: another policy drafts it)."""
         for state, depth, width in zip(states, plan.depths, plan.widths, strict=True):
             if state is not None:
                 state.batch_plan = (depth, width)

@@ -88,10 +88,13 @@ class DraftHint:
 
     alpha[k]: predicted chance that draft k is accepted given drafts 0..k-1 were; len(alpha) is the most it
     would draft. free: those drafts cost no drafter forward (a lookup, not a model, drafts them).
+    fallback: the drafter would rather its model drafted this step, and this is its lookup draft instead:
+    the plan takes it only where it leaves the model's draft undrafted (then Drafter.use_fallback).
     """
 
     alpha: list[float]
     free: bool = True
+    fallback: bool = False
 
 
 class Drafter(ABC):
@@ -184,6 +187,11 @@ class Drafter(ABC):
         drafter knows what its next draft is worth (then it drafts that draft, cut to the planned γ), None
         where the caller's own estimate should plan (the default: every row)."""
         return [None] * len(request_ids)
+
+    def use_fallback(self, request_ids: list[str]) -> None:
+        """The plan drafts these requests' fallback hints (DraftHint.fallback) at their next propose."""
+        if request_ids:
+            raise NotImplementedError(f"{self.name} gives no fallback hints")
 
     def propose_tree(
         self,

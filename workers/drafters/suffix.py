@@ -76,6 +76,7 @@ class _Request:
     last_match: int = 0                           # the suffix match it drafted from
     greedy: bool = True                           # its sampling, as draft_hints last saw it
     decided: tuple[SuffixDraft, str | None] | None = None   # draft_hints' choice for the next propose
+    fallback: tuple[SuffixDraft, str] | None = None          # its lookup draft where it chose the model
     model_alpha: float = 0.6                      # per-token acceptance of model-drafted steps (EMA)
 
 
@@ -274,19 +275,30 @@ class SuffixDrafter(Drafter):
         for rid, depth, p in zip(request_ids, depths, params, strict=True):
             req = self.requests[rid]
             draft, source = self._suffix(rid, depth, 1) if depth > 0 else (SuffixDraft(), "local")
-            if not self._prefers_suffix(draft, depth, req):
-                req.decided = (SuffixDraft(), None)
+            req.greedy = p.is_greedy
+            prefers = self._prefers_suffix(draft, depth, req)
+            req.decided = (draft, source) if prefers else (SuffixDraft(), None)
+            # Where the model is preferred, the lookup draft is offered as a fallback: the model's draft
+            # may not pay at all (a long context to catch up on, a batch where model drafts cost too
+            # much), and its per-request estimate only moves when it drafts.
+            req.fallback = None if prefers or not draft.tokens else (draft, source)
+            if not draft.tokens:
                 hints.append(None)
                 continue
-            req.decided = (draft, source)
-            req.greedy = p.is_greedy
             measured = self.measured[req.greedy]
             alpha, prev = [], 1.0
             for k, path in enumerate(draft.probs):
                 alpha.append(min(1.0, path / prev) * measured.alpha(draft.match, k))
                 prev = path
-            hints.append(DraftHint(alpha, free=True))
+            hints.append(DraftHint(alpha, free=True, fallback=not prefers))
         return hints
+
+    def use_fallback(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests[rid]
+            if req.fallback is None:
+                raise ValueError(f"request {rid!r} has no fallback draft this step")
+            req.decided, req.fallback = req.fallback, None
 
     def _record(self, request_id: str, source: str | None, drafted: int, match: int = 0) -> None:
         req = self.requests[request_id]

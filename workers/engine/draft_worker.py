@@ -301,18 +301,18 @@ class DraftWorker:
             self.last_plan = None
             return
         hints = self._hints(planned)
-        slots, states = [], []
-        for item, r, remaining in planned:
+        slots, states, fallbacks = [], [], {}
+        for i, (item, r, remaining) in enumerate(planned):
             if isinstance(r.policy, GoodputGamma):
                 slot = r.policy.slot(r.state, remaining, cap=item.gamma)
                 hint = hints.get(item.request_id)
-                if hint is not None:
+                if hint is not None and not hint.fallback:
                     # this step's draft is known: plan it from its own predicted acceptance and cost
-                    depth = min(slot.max_depth, len(hint.alpha))
-                    slot = replace(slot, acceptance=Acceptance(hint.alpha, depth), max_depth=depth,
-                                   min_depth=min(slot.min_depth, depth), max_width=1, free=hint.free)
+                    slot = _hinted(slot, hint)
                     r.hinted = True
                 else:
+                    if hint is not None:
+                        fallbacks[i] = _hinted(slot, hint)
                     slot.setup_seconds = self._catch_up_seconds(item.request_id)
                 slots.append(slot)
                 states.append(r.state)
@@ -320,7 +320,19 @@ class DraftWorker:
                 cap = max(0, min(item.gamma, remaining - 1))
                 slots.append(Slot(Acceptance([r.state.ema_acceptance], cap), cap, min_depth=cap))
                 states.append(None)
-        self.last_plan = GoodputGamma.plan_batch(self.controller, slots, states)
+        plan = self.controller.plan(slots)
+        # Where the plan drafts nothing for a request the drafter would rather have had its model draft
+        # for, its lookup draft may still pay: plan those with it, and keep what plans better.
+        idle = [i for i in fallbacks if plan.depths[i] == 0]
+        if idle:
+            alternative = [fallbacks[i] if i in idle else slot for i, slot in enumerate(slots)]
+            other = self.controller.plan(alternative)
+            if other.goodput > plan.goodput:
+                plan, taken = other, [i for i in idle if other.depths[i] > 0]
+                for i in taken:
+                    planned[i][1].hinted = True
+                self.drafter.use_fallback([planned[i][0].request_id for i in taken])
+        self.last_plan = GoodputGamma.assign(plan, states)
         g = self.goodput_ema
         g["predicted"] = self.last_plan.goodput if not g["predicted"] else (
             0.8 * g["predicted"] + 0.2 * self.last_plan.goodput)
@@ -392,6 +404,13 @@ def fit_tree(depth: int, width: int, room: int) -> tuple[int, int]:
     if room >= width:
         return room // width, width
     return (1, room) if room > 0 else (0, 1)
+
+
+def _hinted(slot: Slot, hint) -> Slot:
+    """The request's slot planned from its DraftHint: the draft's own predicted acceptance and cost."""
+    depth = min(slot.max_depth, len(hint.alpha))
+    return replace(slot, acceptance=Acceptance(hint.alpha, depth), max_depth=depth,
+                   min_depth=min(slot.min_depth, depth), max_width=1, free=hint.free)
 
 
 def _depth(parents: list[int]) -> int:

@@ -129,3 +129,25 @@ def test_the_same_test_fails_on_a_broken_verifier(exact_workers, monkeypatch):
         monkeypatch.setattr(module, "residual_weights", lambda p, q: p)
     pvalue = _sampled_pvalue(exact_workers, 1, 500)
     assert pvalue < 1e-6, f"the broken verifier passed (p-value {pvalue:.2e})"
+
+
+def test_a_lookup_draft_stands_in_where_the_preferred_model_draft_does_not_pay(cfg, target, monkeypatch):
+    """The suffix drafter prefers its model everywhere here, and model drafts are priced out (10 s a level):
+    the goodput plan drafts nothing for the model and takes each request's lookup draft instead, so the
+    repeats still draft from the finished requests; the output stays the target's."""
+    from workers.core.goodput import StepCostModel
+    from workers.drafters.suffix import SuffixDrafter
+
+    base = _run(SpecEngine(target), SpecParams(enabled=False))
+    cfg.drafter.suffix_with_model = True
+    drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
+    engine = SpecEngine(target, drafter)
+    monkeypatch.setattr(SuffixDrafter, "_prefers_suffix", lambda self, draft, depth, req: False)
+    monkeypatch.setattr(StepCostModel, "draft_seconds", lambda self, b, depth: 10.0 * depth if b else 0.0)
+    spec = SpecParams(gamma=4, policy="goodput")
+    assert _run(engine, spec, "first") == base
+    assert _run(engine, spec, "again") == base
+    sources = drafter.drafter.stats()["sources"]
+    assert sources["model"]["steps"] == 0
+    assert sources["global"]["accepted"] > 0 and sources["local"]["steps"] + sources["global"]["steps"] > 0
+    assert target.free_slots() == cfg.target.max_slots
