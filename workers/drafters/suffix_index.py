@@ -219,11 +219,11 @@ class SuffixIndex(_Drafting):
             seq.append(token)
             after = len(seq)            # where a substring ending at this token continues
             stepped = []
-            # walkers: nodes at depth 1, 2, ... (met twice at least, so holding no tail but one of nothing)
+            # walkers: nodes at depth 1, 2, ... (met twice at least: they hold no tail, at most a mark)
             for depth, parent in enumerate((self.root, *walkers[:keep])):
                 below = kids[parent]
-                if below is None or below.__class__ is int and below < 0:
-                    node, below = -1, None      # nothing below, or a tail of nothing (see _push)
+                if below is None or type(below) is int and below < 0:
+                    node, below = -1, None      # nothing below, or a mark (see _push)
                 elif type(below) is int:
                     node = below % SHIFT if below // SHIFT == token else -1
                 else:
@@ -251,10 +251,11 @@ class SuffixIndex(_Drafting):
         return walkers
 
     def _push(self, node: int, code: int, seq_id: int, after: int) -> int:
-        """`node`, which held a tail, is met again (by sequence seq_id, continuing at `after`): the tail's
-        first node becomes a node (a head with the rest of the tail). Returns the nodes made. A node at
-        max_depth keeps a tail of nothing: where its newest occurrence is, which is what lets a path left
-        with one occurrence fold back into a tail (`_collapse`; requests are evicted oldest first)."""
+        """`node`, which held a tail or a mark, is met again (by sequence seq_id, continuing at `after`):
+        the tail's first node becomes a node (a head with the rest of the tail). Returns the nodes made.
+        Where nothing is below (max_depth, or the tail's sequence ended there) the node keeps a mark of
+        where its newest occurrence ends: what lets a path left with one occurrence fold back into a tail
+        (`_collapse`; requests are evicted oldest first)."""
         ref, start, depth, mark = _untail(code)
         seq = self.seqs.get(ref, ()) if depth < self.max_depth and not mark else ()
         if start >= len(seq):
