@@ -175,7 +175,9 @@ class SpecConfig:
     # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row); measured
     # steps correct the nearest one (without 8, batch-8 steps corrected the batch-4 row)
     goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
-    goodput_prior: float = 0.6          # goodput: acceptance per position assumed before any is measured
+    # goodput: acceptance per position assumed before any is measured; None: the drafter's held-out
+    # acceptance from its training record, 0.6 where it has none
+    goodput_prior: float | None = None
     # Decode steps per window of the speculation guard (workers/core/guard.py): windows with speculation
     # allowed and not are timed, and the slower mode runs only as a probe. 0 = off (the γ policy alone)
     guard_window_steps: int = 32

@@ -61,6 +61,17 @@ def read_drafter_version(path: str | Path) -> str:
     return Path(path).name
 
 
+def read_held_out_acceptance(path: str | Path) -> float | None:
+    """The share of held-out target tokens the drafter's greedy choice matched when it was trained (its
+    specd_drafter.json: train.eval_after.greedy_match), about what its first drafts get accepted; None
+    where the record lacks it (a drafter from elsewhere, or an online version's record)."""
+    meta = Path(path) / META_FILE
+    if not meta.exists():
+        return None
+    match = json.loads(meta.read_text()).get("train", {}).get("eval_after", {}).get("greedy_match")
+    return float(match) if isinstance(match, int | float) and 0.0 <= match <= 1.0 else None
+
+
 # Feeds of at most this many tokens catch up together in one forward; longer ones (prompts, long stretches
 # without drafting) go in prefills of feeds within CATCH_UP_SPREAD times each other's length. The runner's
 # matmuls skip the padding of a ragged batch and its attention does not, so only alike lengths batch well;
@@ -117,6 +128,7 @@ class ModelDrafter(Drafter):
         self.full_vocab_size = self.runner.model.cfg.vocab_size
         self.vocab_ids = self.runner.vocab_ids          # [V_sub] target ids, or None for a full head
         self.version = read_drafter_version(self.path)
+        self.held_out_acceptance = read_held_out_acceptance(self.path)
         self.uses_target_hidden = self.runner.model.feature_proj is not None
         self.hidden_size = self.runner.model.cfg.hidden_size
         self.seed = seed
@@ -413,10 +425,13 @@ class ModelDrafter(Drafter):
         self.runner.load_weights(Path(path))
         self.path = Path(path)
         self.version = read_drafter_version(path)
+        self.held_out_acceptance = read_held_out_acceptance(path)
         return self.version
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], version: str) -> str:
         """Hot-swap to verified HF-named tensors (workers/engine/hot_swap.py); same caveat as load()."""
         self.runner.load_weights(tensors)
         self.version = version
+        # an online version: its gate measured it on replayed traffic, not the held-out prompts
+        self.held_out_acceptance = None
         return version

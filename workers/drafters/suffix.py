@@ -67,6 +67,9 @@ class PositionAcceptance:
             self.hits[b][k] += k < accepted
 
 
+MODEL_PRIOR = 0.6   # a model's per-token acceptance assumed where its drafter carries no record
+
+
 @dataclass
 class _Request:
     tokens: list[int]
@@ -77,7 +80,7 @@ class _Request:
     greedy: bool = True                           # its sampling, as draft_hints last saw it
     decided: tuple[SuffixDraft, str | None] | None = None   # draft_hints' choice for the next propose
     fallback: tuple[SuffixDraft, str] | None = None          # its lookup draft where it chose the model
-    model_alpha: float = 0.6                      # per-token acceptance of model-drafted steps (EMA)
+    model_alpha: float = MODEL_PRIOR              # per-token acceptance of model-drafted steps (EMA)
 
 
 @register_drafter("suffix")
@@ -91,15 +94,17 @@ class SuffixDrafter(Drafter):
         min_prob: float = 0.1,
         max_nodes: int = 400_000,
         model_cost: float = 0.1,
-        model_prior: float = 0.6,
+        model_prior: float | None = None,
         index_tokens_per_step: int = 256,
     ) -> None:
+        """model_prior: the per-token acceptance a request's model drafts are expected to get until the model
+        drafts for it (None: the model's held-out acceptance, else MODEL_PRIOR)."""
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         self.model = model
         self.max_depth, self.max_match, self.min_match = max_depth, max_match, min_match
         self.min_prob, self.max_nodes = min_prob, max_nodes
-        self.model_cost, self.model_prior = model_cost, model_prior
+        self.model_cost, self._model_prior = model_cost, model_prior
         self.uses_target_hidden = bool(model is not None and model.uses_target_hidden)
         self.global_index = SuffixIndex(max_depth)
         # LRU of indexed requests: the global index's sequence id -> tokens (the index keeps the tokens)
@@ -125,6 +130,19 @@ class SuffixDrafter(Drafter):
     @property
     def weights_drafter(self) -> Drafter | None:
         return self.model
+
+    @property
+    def held_out_acceptance(self) -> float | None:
+        return self.model.held_out_acceptance if self.model is not None else None
+
+    @property
+    def model_prior(self) -> float:
+        """A new request's model_alpha: as given, else the model's held-out acceptance (the weights
+        serving now: an online version has none), else MODEL_PRIOR."""
+        if self._model_prior is not None:
+            return self._model_prior
+        recorded = self.held_out_acceptance
+        return MODEL_PRIOR if recorded is None else recorded
 
     @classmethod
     def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):

@@ -181,3 +181,41 @@ def test_ragged_cost_is_timed_in_pairs_beside_a_plain_forward(monkeypatch) -> No
     extra = profile._paired_extra(runner, [0, 1, 2, 3], plain, [2, 1, 1, 1], pairs=6)
     assert extra == pytest.approx(0.007, abs=0.001)
     assert profile._paired_extra(runner, [0, 1, 2, 3], plain, plain, pairs=6) == pytest.approx(0.0, abs=0.001)
+
+
+def test_estimates_start_from_the_drafters_held_out_acceptance(cfg, tiny_drafter_dir, tmp_path):
+    """A drafter whose training record says its greedy choice matched 12% of held-out tokens seeds the
+    worker's per-position counts and the suffix drafter's per-request model estimate with 0.12, not a
+    flat 0.6; an operator's spec.goodput_prior wins; a record without the figure falls back to 0.6, and
+    so do versions swapped in without one (online versions)."""
+    import json
+    import shutil
+
+    from workers.drafters.versions import META_FILE
+    from workers.engine.draft_worker import DEFAULT_PRIOR
+
+    drafter_dir = tmp_path / "drafter"
+    shutil.copytree(tiny_drafter_dir, drafter_dir)
+    meta = drafter_dir / META_FILE
+    record = json.loads(meta.read_text()) if meta.exists() else {"version": "tiny"}
+    record["train"] = {"eval_after": {"greedy_match": 0.12}}
+    meta.write_text(json.dumps(record))
+
+    def worker(*overrides):
+        c = load_config([f"target.model_path={cfg.target.model_path}", f"drafter.path={drafter_dir}",
+                         "drafter.max_slots=2", "drafter.kind=suffix", *overrides])
+        return DraftWorker(c.drafter, c.spec, str(cfg.target.model_path))
+
+    seeded = worker()
+    assert seeded.positions[True].alpha()[0] == pytest.approx(0.12)
+    assert seeded.drafter.model_prior == pytest.approx(0.12)
+    assert worker("spec.goodput_prior=0.5").positions[False].alpha()[0] == pytest.approx(0.5)
+    online = tmp_path / "online"
+    shutil.copytree(drafter_dir, online)
+    (online / META_FILE).write_text(json.dumps({"version": "online-1"}))
+    seeded.drafter.weights_drafter.load(online)
+    assert seeded.drafter.model_prior == DEFAULT_PRIOR
+    assert seeded._fresh_positions()[True].alpha()[0] == DEFAULT_PRIOR
+    record["train"] = {}
+    meta.write_text(json.dumps(record))
+    assert worker().positions[True].alpha()[0] == DEFAULT_PRIOR
