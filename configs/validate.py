@@ -25,6 +25,9 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "drafter.num_gpus": (0, None), "drafter.num_cpus": (0, None), "drafter.max_slots": (1, None),
     "drafter.max_seq_len": (1, None), "drafter.min_ngram": (1, None), "drafter.max_ngram": (1, None),
     "drafter.hybrid_min_match": (1, None),
+    # the suffix index packs a tail's depth into 8 bits (workers/drafters/suffix_index.py)
+    "drafter.suffix_max_depth": (2, 255), "drafter.suffix_max_nodes": (1, None),
+    "spec.goodput_prior": (0, 1),
     "spec.gamma": (0, None), "spec.gamma_min": (0, None), "spec.gamma_max": (0, 64),
     "spec.tree_width": (1, None), "spec.tree_width_max": (1, 16),
     "spec.egag_threshold": (0, None), "spec.egag_beta": (0, None), "spec.confidence_threshold": (0, 1),

@@ -83,6 +83,8 @@ def test_each_key_takes_a_new_value_or_names_itself_in_the_error() -> None:
     ("drafter=bogus", "drafter/bogus", "hidden"),
     ("server.tls_cert_file=/a.pem", "server.tls_cert_file='/a.pem'", "set together"),
     ("spec.lossy=true", "spec.lossy=True", "exact"),
+    ("drafter.suffix_max_depth=300", "drafter.suffix_max_depth=300", "between 2 and 255"),
+    ("spec.goodput_prior=1.5", "spec.goodput_prior=1.5", "between 0 and 1"),
 ])
 def test_invalid_values_name_the_key_the_value_and_what_is_allowed(override, key, allowed) -> None:
     with pytest.raises(ConfigError) as err:
