@@ -2,7 +2,8 @@
 
 Every system (bench/systems.py) generates the same number of tokens from the same tokenized
 GSM8K / HumanEval eval-split prompts in the chat template, per cell (workload, batch, temperature):
-prompts run in static groups of `batch`, EOS is ignored, and generated tokens are counted from the
+prompts run in static groups of `batch` (with --continuous, specd's engine takes them from one queue, at
+most `batch` running, as a server does), EOS is ignored, and generated tokens are counted from the
 outputs. Each system runs in a child process of its own (its own peak RSS, warm-up before timing);
 this module plans the run, starts the children one after another with a progress bar, and reports
 rows with the measured speed-ups (bench/report.py).
@@ -101,8 +102,10 @@ def kv_cache_bytes(model_dir: Path, max_seq_len: int, max_slots: int) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4 * max_seq_len * max_slots
 
 
-def unavailable_reason(system: System, cfg) -> str | None:
-    """Why a system cannot run here (no bootstrapped drafter, no vLLM), or None."""
+def unavailable_reason(system: System, cfg, continuous: bool = False) -> str | None:
+    """Why a system cannot run here (no bootstrapped drafter, no vLLM, no queue for --continuous), or None."""
+    if continuous and (system.runner != "specd" or system.backend != "torch"):
+        return "runs static groups only (--continuous: specd's torch engine)"
     if "vllm" in (system.kind, system.backend) and importlib.util.find_spec("vllm") is None:
         return "vllm is not installed"
     if system.needs_model_drafter:
@@ -128,7 +131,7 @@ def iomp_library() -> str | None:
 
 def build_jobs(
     plan: Plan, overrides: list[str], threads: int, iomp: bool = True, paired: bool = False,
-    lockstep: bool = False,
+    lockstep: bool = False, continuous: bool = False,
 ) -> tuple[dict, dict, dict]:
     """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
     from configs import load_config
@@ -174,11 +177,12 @@ def build_jobs(
         "warm_each_cell": str(cfg.target.device).startswith("cuda"),
         "paired": paired or lockstep,
         "lockstep": lockstep,
+        "continuous": continuous,
         "cells": cells,
     }
     jobs, skipped = {}, {}
     for name in plan.systems:
-        reason = unavailable_reason(SYSTEMS[name], cfg)
+        reason = unavailable_reason(SYSTEMS[name], cfg, continuous)
         if reason:
             skipped[name] = reason
         else:
@@ -193,6 +197,8 @@ def build_jobs(
         "device": device_info(cfg.target.device),
         # how the paired baseline was interleaved: by group (ABBA) or step by step (--lockstep)
         "paired_by": ("step" if lockstep else "group") if paired or lockstep else None,
+        # static groups of `batch` prompts, or one queue with at most `batch` running (--continuous)
+        "batching": "continuous" if continuous else "static",
     }
     return jobs, skipped, meta
 
@@ -316,16 +322,17 @@ def collect_rows(results: dict[str, list[dict]], plan: Plan) -> tuple[list[dict]
 
 
 NOTES = (
-    "tokens/s = generated tokens (counted) / generation wall time, summed over groups of `batch` prompts; "
-    "loading and one warm-up generate are not timed.",
-    "ms/tok p50 = median over requests of latency / generated tokens; for transformers and vLLM a group's "
-    "requests finish together, so their latency is the group's wall time.",
+    "tokens/s = generated tokens (counted) / generation wall time, summed over groups of `batch` prompts "
+    "(--continuous: one queue, at most `batch` running); loading and one warm-up generate are not timed.",
+    "ms/tok p50 = median over requests of latency / generated tokens (--continuous: latency from admission, "
+    "not from the queue's start); for transformers and vLLM a group's requests finish together, so their "
+    "latency is the group's wall time.",
     "α = accepted / drafted, MAL = (accepted + recovered + bonus) / steps; vLLM's from its spec-decode "
     "counters. RSS = peak of the system's own child process (vLLM: its process tree, sampled).",
     "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run; "
     "paired (--paired) divides by target-only run in the same process on the same groups, interleaved "
     "(by group, ABBA; with --lockstep step by step, both batches on one engine, each timed on its own "
-    "steps).",
+    "steps; --continuous --lockstep: its interval is over windows of max-new-tokens steps, not groups).",
     "every child uses the same torch thread count (--threads) and OpenMP runtime (Intel, unless --no-iomp).",
     "spread (--rounds N) = (max - min) / median of a system's tokens/s over its N fresh processes; the "
     "JSON's paired_base_vs_target_only is the same decoding (speculation off) in the specd system's process "
@@ -342,8 +349,11 @@ def run_bench(args: argparse.Namespace) -> int:
         console = Console(width=170)
     plan = resolve_plan(args)
     started = time.time()
+    if args.continuous and args.paired and not args.lockstep:
+        raise SystemExit("--continuous runs a cell as one queue: pair it step by step (--lockstep), "
+                         "not by group")
     jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, iomp=args.iomp, paired=args.paired,
-                                     lockstep=args.lockstep)
+                                     lockstep=args.lockstep, continuous=args.continuous)
     console.print("device: " + ", ".join(f"{k} {v}" for k, v in meta["device"].items()))
     if meta["ld_preload"]:
         console.print(f"every system runs with LD_PRELOAD={meta['ld_preload']} (Intel OpenMP; see --no-iomp)")
@@ -413,6 +423,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batches run together on the engine, a step of one then a step of the other, "
                              "so both see the machine at the same moments (this CPU's speed moves by "
                              "5-15%% within seconds, as long as a group takes)")
+    parser.add_argument("--continuous", action="store_true",
+                        help="specd's engine takes a cell's prompts from one queue, at most `batch` "
+                             "running, and admits the next one as soon as one finishes, as a server does "
+                             "(static groups otherwise: a group's early finishers leave the rest running at "
+                             "a smaller batch, which only speculation, finishing requests at different "
+                             "steps, pays for); paired by windows of steps with --lockstep; other systems "
+                             "are skipped")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system N times, each in a fresh process (A B A B ...): rows carry "
                              "the median and each process's tokens/s, and the spread between processes "

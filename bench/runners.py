@@ -68,34 +68,45 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
                 for i, (p, seed) in enumerate(zip(prompts, seeds, strict=True))
             ]
             engine.generate(warm_group, ignore_eos=True)
-        for g, (prompts, seeds) in enumerate(groups(cell["prompts"], cell["seeds"], cell["batch"])):
+        # --continuous: the cell's prompts are one group, a queue of which at most `batch` run at a time
+        continuous = bool(job.get("continuous"))
+        size = len(cell["prompts"]) if continuous else cell["batch"]
+        for g, (prompts, seeds) in enumerate(groups(cell["prompts"], cell["seeds"], size)):
             made = [(f"{tag}-{g}-{i}", list(p), SamplingParams(temperature=cell["temperature"], seed=seed))
                     for i, (p, seed) in enumerate(zip(prompts, seeds, strict=True))]
             # --paired: the same engine with speculation off per request, before the system on even
             # groups and after it on odd ones, so drift in machine speed falls on both alike.
             order = (["base", "spec"] if g % 2 == 0 else ["spec", "base"]) if paired else ["spec"]
             before = (result.get("paired_base_wall_s"), result.get("paired_base_tokens"), result["wall_s"])
+            admitted: dict[str, float] = {}
             if paired and job.get("lockstep"):
                 order = []    # both at once, below
                 mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
                 seqs = _run_lockstep(engine, mine, made, cell["batch"], job["max_new_tokens"], result,
-                                     on_step=lambda _s, emitted: events.tokens(len(emitted)))
+                                     on_step=lambda _s, emitted: events.tokens(len(emitted)),
+                                     windows=continuous, admitted=admitted)
             for phase in order:
                 if phase == "base":
                     _run_paired_base(engine, made, job["max_new_tokens"], result)
                     continue
-                start = time.perf_counter()
                 mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
-                seqs = engine.generate(mine, on_step=lambda _s, emitted: events.tokens(len(emitted)),
-                                       ignore_eos=True)
-                result["wall_s"] += time.perf_counter() - start
-            if paired:
+                on_step = lambda _s, emitted: events.tokens(len(emitted))   # noqa: E731
+                if continuous:
+                    queue = engine.batch(mine, max_running=cell["batch"], on_step=on_step, ignore_eos=True)
+                    drive([queue], admitted)
+                    seqs = queue.sequences()
+                    result["wall_s"] += queue.seconds
+                else:
+                    start = time.perf_counter()
+                    seqs = engine.generate(mine, on_step=on_step, ignore_eos=True)
+                    result["wall_s"] += time.perf_counter() - start
+            if paired and not continuous:
                 # this group's pair, for the paired ratio's interval (bench/report.py paired_interval)
                 result["paired_groups"].append([
                     result["paired_base_wall_s"] - before[0], result["paired_base_tokens"] - before[1],
                     result["wall_s"] - before[2], sum(len(s.output) for s in seqs)])
             for seq in seqs:
-                add_request(result, seq.output, seq.latency, job["max_new_tokens"])
+                add_request(result, seq.output, latency_from_admission(seq, admitted), job["max_new_tokens"])
                 if system.spec_enabled:
                     result["drafted"] += seq.stats.drafted
                     result["accepted"] += seq.stats.accepted
@@ -129,27 +140,64 @@ def _run_paired_base(engine, made: list, max_new_tokens: int, result: dict[str, 
 
 
 def _run_lockstep(engine, mine: list, made: list, batch: int, max_new_tokens: int, result: dict[str, Any],
-                  on_step=None) -> list:
+                  on_step=None, windows: bool = False, admitted: dict[str, float] | None = None) -> list:
     """--lockstep: the group's speculative requests and its target-only twins (scratch ids, speculation
     off) as two batches on one engine, a step of one then a step of the other (which goes first alternates),
-    each timed on its own steps; adds both to `result` and returns the speculative sequences."""
+    each timed on its own steps; adds both to `result` and returns the speculative sequences.
+
+    windows (--continuous, where a cell is one group): the paired interval's pairs are windows of
+    `max_new_tokens` turns, appended to result["paired_groups"]. admitted: filled as in drive()."""
     from workers.drafters.base import SCRATCH_PREFIX
     from workers.engine.types import NewRequest, SpecParams
 
     off = SpecParams(enabled=False)
     twins = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, max_new_tokens, off) for rid, p, sp in made]
-    spec = engine.batch(mine, max_running=batch, on_step=on_step, ignore_eos=True)
-    base = engine.batch(twins, max_running=batch, ignore_eos=True)
-    turn = 0
+    emitted = {"spec": 0, "base": 0}
+
+    def counted(side: str, then=None):
+        def count(seq, new_tokens: list[int]) -> None:
+            emitted[side] += len(new_tokens)
+            if then is not None:
+                then(seq, new_tokens)
+        return count
+
+    spec = engine.batch(mine, max_running=batch, on_step=counted("spec", on_step), ignore_eos=True)
+    base = engine.batch(twins, max_running=batch, on_step=counted("base"), ignore_eos=True)
+    turn, mark = 0, (0.0, 0, 0.0, 0)
     while not (spec.finished and base.finished):
-        for side in ((spec, base) if turn % 2 == 0 else (base, spec)):
-            if not side.finished:
-                side.advance()
+        drive((spec, base) if turn % 2 == 0 else (base, spec), admitted, once=True)
         turn += 1
+        if windows and (turn % max_new_tokens == 0 or (spec.finished and base.finished)):
+            now = (base.seconds, emitted["base"], spec.seconds, emitted["spec"])
+            result["paired_groups"].append([a - b for a, b in zip(now, mark, strict=True)])
+            mark = now
     result["wall_s"] += spec.seconds
     result["paired_base_wall_s"] += base.seconds
     result["paired_base_tokens"] += sum(len(s.output) for s in base.sequences())
     return spec.sequences()
+
+
+def drive(batches, admitted: dict[str, float] | None = None, once: bool = False) -> None:
+    """Advance each unfinished batch in turn, to the end (once: one step each). admitted: request id ->
+    when the step that prefilled it began, for requests that waited in a queue (Sequence.latency counts
+    the wait from the batch's creation)."""
+    while True:
+        for batch in batches:
+            if batch.finished:
+                continue
+            t0, waiting = time.perf_counter(), len(batch.waiting)
+            batch.advance()
+            if admitted is not None and len(batch.waiting) < waiting:
+                for rid in (*batch.running, *batch.done):
+                    admitted.setdefault(rid, t0)
+        if once or all(b.finished for b in batches):
+            return
+
+
+def latency_from_admission(seq, admitted: dict[str, float]) -> float | None:
+    """Seconds from a request's admission to its last token (its Sequence.latency where not recorded)."""
+    start = admitted.get(seq.request_id)
+    return seq.latency if start is None or seq.finish_time is None else seq.finish_time - start
 
 
 def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:

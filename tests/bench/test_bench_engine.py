@@ -138,6 +138,35 @@ def test_smoke_run_target_only_and_ngram(tmp_path):
     assert ngram["greedy_agreement_vs_target_only"] == 1.0     # lossless: same greedy tokens
 
 
+@pytest.mark.slow
+def test_continuous_lockstep_runs_one_queue_paired_by_windows(tmp_path):
+    """--continuous --lockstep: four prompts as one queue of at most two running, each step beside its
+    target-only twin; the windows' pairs add up to the cell, and transformers (static only) is skipped."""
+    out = tmp_path / "bench.json"
+    code = main(["--systems", "target-only,specd-ngram,transformers", "--workloads", "gsm8k",
+                 "--batch-sizes", "2", "--temperatures", "0", "--num-prompts", "4", "--max-new-tokens", "6",
+                 "--continuous", "--lockstep", "--json", str(out), "--log-dir", str(tmp_path / "logs")])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["batching"] == "continuous" and result["meta"]["paired_by"] == "step"
+    assert "static groups only" in result["meta"]["skipped"]["transformers"]
+    rows = {r["system"]: r for r in result["rows"]}
+    ngram = rows["specd-ngram"]
+    assert ngram["generated_tokens"] == 24 and ngram["greedy_agreement_vs_target_only"] == 1.0
+    windows = ngram["paired_groups"]
+    assert len(windows) >= 2     # at least 12 turns (two requests at a time, six tokens each) in windows of 6
+    base_s, base_tokens, spec_s, spec_tokens = (sum(w[i] for w in windows) for i in range(4))
+    assert (base_tokens, spec_tokens) == (24, 24)
+    assert spec_s == pytest.approx(24 / ngram["tokens_per_s"])
+    assert ngram["speedup_vs_target_only_paired"] == pytest.approx((spec_tokens / spec_s) / (base_tokens / base_s))
+    assert ngram["ms_per_token_p50"] > 0
+
+
+def test_continuous_pairing_by_group_is_refused():
+    with pytest.raises(SystemExit, match="--lockstep"):
+        run_bench(parse(["--continuous", "--paired", "--systems", "target-only"]))
+
+
 def test_gpu_baseline_and_device_info():
     compiled = SYSTEMS["transformers-compiled"]
     assert compiled.runner == "transformers" and compiled.compiled and not SYSTEMS["transformers"].compiled
