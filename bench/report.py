@@ -31,6 +31,8 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
     """One JSON row from a child's raw cell measurements."""
     wall = cell["wall_s"]
     generated = cell["generated_tokens"]
+    # --continuous times a steady span (bench/steady.py): its rates are over the tokens emitted in it
+    timed = cell.get("timed_tokens", generated)
     per_request = cell["request_ms_per_token"]
     drafted, steps = cell.get("drafted"), cell.get("steps")
     return {
@@ -43,7 +45,8 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "requested_tokens": cell["requested_tokens"],
         "generated_tokens": generated,
         "wall_s": wall,
-        "tokens_per_s": generated / wall if wall > 0 else None,
+        "tokens_per_s": timed / wall if wall > 0 else None,
+        "timed_tokens": timed,
         "ms_per_token_p50": statistics.median(per_request) if per_request else None,
         # No speculation, no acceptance: None rather than a misleading 0.
         "acceptance_rate": (cell["accepted"] / drafted) if drafted else None,
@@ -54,7 +57,7 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "speculative_specd": speculative_specd,
         "speedup_vs_target_only": None,
         # --paired: over target-only run on the same groups in the same process, interleaved
-        "speedup_vs_target_only_paired": _paired_speedup(cell, generated, wall),
+        "speedup_vs_target_only_paired": _paired_speedup(cell, timed, wall),
         "paired_base_tokens_per_s": _paired_base_tps(cell),
         # 95% interval of the paired ratio over its groups (None with fewer than 3 groups)
         "paired_ci95": paired_interval(cell.get("paired_groups") or []),

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from bench.child import Events, add_request, child_main, finish_cell, groups, new_cell_result
+from bench.steady import Span, drive, latency_from_admission
 from bench.systems import SYSTEMS, device_info, specd_overrides
 
 WARMUP_TOKENS = 8
@@ -84,7 +85,7 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
                 mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
                 seqs = _run_lockstep(engine, mine, made, cell["batch"], job["max_new_tokens"], result,
                                      on_step=lambda _s, emitted: events.tokens(len(emitted)),
-                                     windows=continuous, admitted=admitted)
+                                     continuous=continuous, admitted=admitted)
             for phase in order:
                 if phase == "base":
                     _run_paired_base(engine, made, job["max_new_tokens"], result)
@@ -92,10 +93,14 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
                 mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
                 on_step = lambda _s, emitted: events.tokens(len(emitted))   # noqa: E731
                 if continuous:
-                    queue = engine.batch(mine, max_running=cell["batch"], on_step=on_step, ignore_eos=True)
-                    drive([queue], admitted)
+                    span = Span(cell["batch"])
+                    queue = span.watch("spec", engine.batch(mine, max_running=cell["batch"], ignore_eos=True,
+                                                            on_step=span.counter("spec", on_step)))
+                    drive([queue], admitted, span=span)
                     seqs = queue.sequences()
-                    result["wall_s"] += queue.seconds
+                    seconds, tokens = span.timed("spec")
+                    result["wall_s"] += seconds
+                    result["timed_tokens"] = result.get("timed_tokens", 0) + tokens
                 else:
                     start = time.perf_counter()
                     seqs = engine.generate(mine, on_step=on_step, ignore_eos=True)
@@ -140,64 +145,45 @@ def _run_paired_base(engine, made: list, max_new_tokens: int, result: dict[str, 
 
 
 def _run_lockstep(engine, mine: list, made: list, batch: int, max_new_tokens: int, result: dict[str, Any],
-                  on_step=None, windows: bool = False, admitted: dict[str, float] | None = None) -> list:
+                  on_step=None, continuous: bool = False, admitted: dict[str, float] | None = None) -> list:
     """--lockstep: the group's speculative requests and its target-only twins (scratch ids, speculation
     off) as two batches on one engine, a step of one then a step of the other (which goes first alternates),
     each timed on its own steps; adds both to `result` and returns the speculative sequences.
 
-    windows (--continuous, where a cell is one group): the paired interval's pairs are windows of
-    `max_new_tokens` turns, appended to result["paired_groups"]. admitted: filled as in drive()."""
+    continuous (--continuous: the group is the cell's queue): each side is timed over the steady span
+    (bench/steady.py), and the paired interval's pairs are windows of `max_new_tokens` turns in it;
+    result["timed_tokens"] gets the speculative side's tokens in the span. admitted: as drive() fills it."""
     from workers.drafters.base import SCRATCH_PREFIX
     from workers.engine.types import NewRequest, SpecParams
 
     off = SpecParams(enabled=False)
     twins = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, max_new_tokens, off) for rid, p, sp in made]
-    emitted = {"spec": 0, "base": 0}
-
-    def counted(side: str, then=None):
-        def count(seq, new_tokens: list[int]) -> None:
-            emitted[side] += len(new_tokens)
-            if then is not None:
-                then(seq, new_tokens)
-        return count
-
-    spec = engine.batch(mine, max_running=batch, on_step=counted("spec", on_step), ignore_eos=True)
-    base = engine.batch(twins, max_running=batch, on_step=counted("base"), ignore_eos=True)
+    span = Span(batch)
+    spec = span.watch("spec", engine.batch(mine, max_running=batch, on_step=span.counter("spec", on_step),
+                                           ignore_eos=True))
+    base = span.watch("base", engine.batch(twins, max_running=batch, on_step=span.counter("base"),
+                                           ignore_eos=True))
     turn, mark = 0, (0.0, 0, 0.0, 0)
     while not (spec.finished and base.finished):
-        drive((spec, base) if turn % 2 == 0 else (base, spec), admitted, once=True)
+        drive((spec, base) if turn % 2 == 0 else (base, spec), admitted, once=True, span=span)
         turn += 1
-        if windows and (turn % max_new_tokens == 0 or (spec.finished and base.finished)):
-            now = (base.seconds, emitted["base"], spec.seconds, emitted["spec"])
+        if not continuous or mark is None:
+            continue
+        steady = span.ended is None
+        if turn % max_new_tokens == 0 or not steady:
+            now = (*span.timed("base"), *span.timed("spec"))
             result["paired_groups"].append([a - b for a, b in zip(now, mark, strict=True)])
-            mark = now
-    result["wall_s"] += spec.seconds
-    result["paired_base_wall_s"] += base.seconds
-    result["paired_base_tokens"] += sum(len(s.output) for s in base.sequences())
+            mark = now if steady else None
+    if continuous:
+        (spec_s, spec_tokens), (base_s, base_tokens) = span.timed("spec"), span.timed("base")
+        result["timed_tokens"] = result.get("timed_tokens", 0) + spec_tokens
+    else:
+        spec_s, base_s = spec.seconds, base.seconds
+        base_tokens = sum(len(s.output) for s in base.sequences())
+    result["wall_s"] += spec_s
+    result["paired_base_wall_s"] += base_s
+    result["paired_base_tokens"] += base_tokens
     return spec.sequences()
-
-
-def drive(batches, admitted: dict[str, float] | None = None, once: bool = False) -> None:
-    """Advance each unfinished batch in turn, to the end (once: one step each). admitted: request id ->
-    when the step that prefilled it began, for requests that waited in a queue (Sequence.latency counts
-    the wait from the batch's creation)."""
-    while True:
-        for batch in batches:
-            if batch.finished:
-                continue
-            t0, waiting = time.perf_counter(), len(batch.waiting)
-            batch.advance()
-            if admitted is not None and len(batch.waiting) < waiting:
-                for rid in (*batch.running, *batch.done):
-                    admitted.setdefault(rid, t0)
-        if once or all(b.finished for b in batches):
-            return
-
-
-def latency_from_admission(seq, admitted: dict[str, float]) -> float | None:
-    """Seconds from a request's admission to its last token (its Sequence.latency where not recorded)."""
-    start = admitted.get(seq.request_id)
-    return seq.latency if start is None or seq.finish_time is None else seq.finish_time - start
 
 
 def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
