@@ -172,7 +172,9 @@ def _run_lockstep(engine, mine: list, made: list, batch: int, max_new_tokens: in
         steady = span.ended is None
         if turn % max_new_tokens == 0 or not steady:
             now = (*span.timed("base"), *span.timed("spec"))
-            result["paired_groups"].append([a - b for a, b in zip(now, mark, strict=True)])
+            window = [a - b for a, b in zip(now, mark, strict=True)]
+            if window[1] > 0 and window[3] > 0:     # the span's end can fall on a window's
+                result["paired_groups"].append(window)
             mark = now if steady else None
     if continuous:
         (spec_s, spec_tokens), (base_s, base_tokens) = span.timed("spec"), span.timed("base")

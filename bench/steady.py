@@ -6,8 +6,8 @@ which only speculation pays for (its requests finish at different steps; target-
 ignored and the same length, all at once). Here each batch (the system's, and with --lockstep its
 target-only twin) takes the prompts from one queue, at most `batch` running, and is timed over its
 steady span: from the first step until a batch's queue has run dry and it runs below `batch`, the point
-where a loaded server would have taken the next request. The drain after it runs untimed, so every
-request still finishes (its tokens are compared with target-only's).
+where a loaded server would have taken the next request (that last round of steps left out). The drain
+after it runs untimed, so every request still finishes (its tokens are compared with target-only's).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class Span:
         self.batches: dict[str, object] = {}
         self.tokens: dict[str, int] = {}
         self.ended: dict[str, tuple[float, int]] | None = None
+        self.last: dict[str, tuple[float, int]] | None = None     # at the latest check that found all full
 
     def counter(self, name: str, then: Callable | None = None) -> Callable:
         """The on_step callback of batch `name`: counts its emitted tokens, then calls `then`."""
@@ -46,10 +47,17 @@ class Span:
         return bool(batch.waiting) or len(batch.running) >= self.size
 
     def check(self) -> bool:
-        """After a step of every batch: False once the span has ended (it ends at the first such check
-        that finds a batch not full)."""
-        if self.ended is None and not all(self.full(b) for b in self.batches.values()):
-            self.ended = {k: (b.seconds, self.tokens[k]) for k, b in self.batches.items()}
+        """After a step of every batch: False once the span has ended. It ends at the first such check
+        that finds a batch not full, with the figures of the check before: the round that emptied a batch
+        (or admitted a queue's last, smaller group, a prefill of seconds whose tokens would all fall
+        after the span) is left out for every batch alike."""
+        if self.ended is not None:
+            return False
+        now = {k: (b.seconds, self.tokens[k]) for k, b in self.batches.items()}
+        if all(self.full(b) for b in self.batches.values()):
+            self.last = now
+        else:
+            self.ended = self.last if self.last is not None else now
         return self.ended is None
 
     def timed(self, name: str) -> tuple[float, int]:
