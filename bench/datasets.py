@@ -7,6 +7,7 @@ it was trained on. The files are the repository's data/ (SPECD_DATA_DIR override
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,3 +35,15 @@ def mixed_prompts(
     messages (what gRPC clients send) and as token ids (what an in-process engine gets)."""
     prompts = load_prompts("eval", workloads, limit=num_prompts)
     return [chat_messages(p) for p in prompts], [encode_prompt(tokenizer, p) for p in prompts]
+
+
+def request_lengths(count: int, max_new_tokens: int, mode: str = "fixed", seed: int = 0) -> list[int]:
+    """max_new_tokens of each request: all alike ("fixed"), or ("mixed") drawn uniformly from
+    [max_new_tokens / 2, 3 max_new_tokens / 2] (mean max_new_tokens), seeded: every phase sends the same."""
+    if mode == "fixed":
+        return [max_new_tokens] * count
+    if mode != "mixed":
+        raise ValueError(f"unknown --lengths {mode!r}; choose fixed or mixed")
+    rng = random.Random(seed)
+    low, high = max(2, max_new_tokens // 2), max(2, max_new_tokens + max_new_tokens // 2)
+    return [rng.randint(low, high) for _ in range(count)]

@@ -3,10 +3,11 @@
 Every system (bench/systems.py) generates the same number of tokens from the same tokenized
 GSM8K / HumanEval eval-split prompts in the chat template, per cell (workload, batch, temperature):
 prompts run in static groups of `batch` (with --continuous, specd's engine takes them from one queue, at
-most `batch` running, as a server does), EOS is ignored, and generated tokens are counted from the
-outputs. Each system runs in a child process of its own (its own peak RSS, warm-up before timing);
-this module plans the run, starts the children one after another with a progress bar, and reports
-rows with the measured speed-ups (bench/report.py).
+most `batch` running, as a server does), EOS is ignored, every request generates max_new_tokens (with
+--lengths mixed, a seeded length of its own), and generated tokens are counted from the outputs. Each
+system runs in a child process of its own (its own peak RSS, warm-up before timing); this module plans
+the run, starts the children one after another with a progress bar, and reports rows with the measured
+speed-ups (bench/report.py).
 
     specd bench engine --quick
     specd bench engine --json out/bench.json --plot out/bench.png
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import EXTRA_WORKLOADS, WORKLOADS, workload_prompts
+from bench.datasets import EXTRA_WORKLOADS, WORKLOADS, request_lengths, workload_prompts
 from bench.report import add_ratios, make_row, merge_rounds, render_table, sort_rows, write_json, write_plot
 from bench.systems import SYSTEMS, System, device_info
 
@@ -102,10 +103,11 @@ def kv_cache_bytes(model_dir: Path, max_seq_len: int, max_slots: int) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4 * max_seq_len * max_slots
 
 
-def unavailable_reason(system: System, cfg, continuous: bool = False) -> str | None:
-    """Why a system cannot run here (no bootstrapped drafter, no vLLM, no queue for --continuous), or None."""
-    if continuous and (system.runner != "specd" or system.backend != "torch"):
-        return "runs static groups only (--continuous: specd's torch engine)"
+def unavailable_reason(system: System, cfg, queue: bool = False) -> str | None:
+    """Why a system cannot run here (no bootstrapped drafter, no vLLM; queue: --continuous or --lengths
+    mixed, which only specd's torch engine runs), or None."""
+    if queue and (system.runner != "specd" or system.backend != "torch"):
+        return "runs static groups of one length only (--continuous, --lengths mixed: specd's torch engine)"
     if "vllm" in (system.kind, system.backend) and importlib.util.find_spec("vllm") is None:
         return "vllm is not installed"
     if system.needs_model_drafter:
@@ -131,7 +133,7 @@ def iomp_library() -> str | None:
 
 def build_jobs(
     plan: Plan, overrides: list[str], threads: int, iomp: bool = True, paired: bool = False,
-    lockstep: bool = False, continuous: bool = False,
+    lockstep: bool = False, continuous: bool = False, lengths: str = "fixed",
 ) -> tuple[dict, dict, dict]:
     """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
     from configs import load_config
@@ -142,7 +144,9 @@ def build_jobs(
     tokenizer = load_tokenizer(model_dir)
     prompts = {w: workload_prompts(w, plan.num_prompts, tokenizer) for w in plan.workloads}
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)
-    max_seq_len = -(-(longest + plan.max_new_tokens + SEQ_MARGIN) // 64) * 64
+    # --lengths mixed: request i of every workload generates lengths[i] tokens, up to 1.5 max_new_tokens
+    per_request = request_lengths(plan.num_prompts, plan.max_new_tokens, lengths, seed=cfg.seed)
+    max_seq_len = -(-(longest + max(per_request) + SEQ_MARGIN) // 64) * 64
     max_batch = max(plan.batch_sizes)
     cells = [
         {
@@ -152,6 +156,7 @@ def build_jobs(
             "prompts": [ids for _, ids in prompts[w]],
             # A request's seed depends on its prompt only: every system samples with the same seed.
             "seeds": [cfg.seed * 1_000_003 + index for index, _ in prompts[w]],
+            "lengths": per_request[: len(prompts[w])],
         }
         for w in plan.workloads
         for b in plan.batch_sizes
@@ -182,7 +187,7 @@ def build_jobs(
     }
     jobs, skipped = {}, {}
     for name in plan.systems:
-        reason = unavailable_reason(SYSTEMS[name], cfg, continuous)
+        reason = unavailable_reason(SYSTEMS[name], cfg, continuous or lengths != "fixed")
         if reason:
             skipped[name] = reason
         else:
@@ -199,6 +204,7 @@ def build_jobs(
         "paired_by": ("step" if lockstep else "group") if paired or lockstep else None,
         # static groups of `batch` prompts, or one queue with at most `batch` running (--continuous)
         "batching": "continuous" if continuous else "static",
+        "lengths": lengths,
     }
     return jobs, skipped, meta
 
@@ -353,7 +359,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit("--continuous runs a cell as one queue: pair it step by step (--lockstep), "
                          "not by group")
     jobs, skipped, meta = build_jobs(plan, args.overrides, args.threads, iomp=args.iomp, paired=args.paired,
-                                     lockstep=args.lockstep, continuous=args.continuous)
+                                     lockstep=args.lockstep, continuous=args.continuous, lengths=args.lengths)
     console.print("device: " + ", ".join(f"{k} {v}" for k, v in meta["device"].items()))
     if meta["ld_preload"]:
         console.print(f"every system runs with LD_PRELOAD={meta['ld_preload']} (Intel OpenMP; see --no-iomp)")
@@ -430,6 +436,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a smaller batch, which only speculation, finishing requests at different "
                              "steps, pays for); paired by windows of steps with --lockstep; other systems "
                              "are skipped")
+    parser.add_argument("--lengths", choices=("fixed", "mixed"), default="fixed",
+                        help="fixed: every request generates --max-new-tokens; mixed: request i a seeded "
+                             "length in [M/2, 3M/2] (the same for every system and cell), so requests "
+                             "finish at different steps with speculation off too, as a server's do "
+                             "(specd's torch engine only)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every system N times, each in a fresh process (A B A B ...): rows carry "
                              "the median and each process's tokens/s, and the spread between processes "

@@ -62,18 +62,21 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             result.update(paired_base_wall_s=0.0, paired_base_tokens=0, paired_groups=[])
         if job.get("warm_each_cell"):
             prompts, seeds = next(groups(cell["prompts"], cell["seeds"], cell["batch"]))
+            lengths = cell_lengths(job, cell)[: len(prompts)]
             warm_group = [
                 NewRequest(f"{SCRATCH_PREFIX}warm-{tag}-{i}", list(p),
-                           SamplingParams(temperature=cell["temperature"], seed=seed),
-                           job["max_new_tokens"], spec)
-                for i, (p, seed) in enumerate(zip(prompts, seeds, strict=True))
+                           SamplingParams(temperature=cell["temperature"], seed=seed), n, spec)
+                for i, (p, seed, n) in enumerate(zip(prompts, seeds, lengths, strict=True))
             ]
             engine.generate(warm_group, ignore_eos=True)
         # --continuous: the cell's prompts are one group, a queue of which at most `batch` run at a time
         continuous = bool(job.get("continuous"))
         size = len(cell["prompts"]) if continuous else cell["batch"]
+        lengths = cell_lengths(job, cell)
         for g, (prompts, seeds) in enumerate(groups(cell["prompts"], cell["seeds"], size)):
-            made = [(f"{tag}-{g}-{i}", list(p), SamplingParams(temperature=cell["temperature"], seed=seed))
+            # (request id, prompt, sampling, tokens to generate) of each request of the group
+            made = [(f"{tag}-{g}-{i}", list(p), SamplingParams(temperature=cell["temperature"], seed=seed),
+                     lengths[g * size + i])
                     for i, (p, seed) in enumerate(zip(prompts, seeds, strict=True))]
             # --paired: the same engine with speculation off per request, before the system on even
             # groups and after it on odd ones, so drift in machine speed falls on both alike.
@@ -82,15 +85,15 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             admitted: dict[str, float] = {}
             if paired and job.get("lockstep"):
                 order = []    # both at once, below
-                mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
+                mine = [NewRequest(rid, p, sp, n, spec) for rid, p, sp, n in made]
                 seqs = _run_lockstep(engine, mine, made, cell["batch"], job["max_new_tokens"], result,
                                      on_step=lambda _s, emitted: events.tokens(len(emitted)),
                                      continuous=continuous, admitted=admitted)
             for phase in order:
                 if phase == "base":
-                    _run_paired_base(engine, made, job["max_new_tokens"], result)
+                    _run_paired_base(engine, made, result)
                     continue
-                mine = [NewRequest(rid, p, sp, job["max_new_tokens"], spec) for rid, p, sp in made]
+                mine = [NewRequest(rid, p, sp, n, spec) for rid, p, sp, n in made]
                 on_step = lambda _s, emitted: events.tokens(len(emitted))   # noqa: E731
                 if continuous:
                     span = Span(cell["batch"])
@@ -111,7 +114,8 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
                     result["paired_base_wall_s"] - before[0], result["paired_base_tokens"] - before[1],
                     result["wall_s"] - before[2], sum(len(s.output) for s in seqs)])
             for seq in seqs:
-                add_request(result, seq.output, latency_from_admission(seq, admitted), job["max_new_tokens"])
+                requested = seq.request.max_new_tokens
+                add_request(result, seq.output, latency_from_admission(seq, admitted), requested)
                 if system.spec_enabled:
                     result["drafted"] += seq.stats.drafted
                     result["accepted"] += seq.stats.accepted
@@ -130,14 +134,19 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
     }
 
 
-def _run_paired_base(engine, made: list, max_new_tokens: int, result: dict[str, Any]) -> None:
+def cell_lengths(job: dict[str, Any], cell: dict[str, Any]) -> list[int]:
+    """Tokens each of the cell's requests generates (--lengths mixed: its own; else max_new_tokens)."""
+    return cell.get("lengths") or [job["max_new_tokens"]] * len(cell["prompts"])
+
+
+def _run_paired_base(engine, made: list, result: dict[str, Any]) -> None:
     """--paired: the same requests on the same engine with speculation off (scratch ids, so a drafter
     that learns from traffic never sees them); adds their wall time and tokens to `result`."""
     from workers.drafters.base import SCRATCH_PREFIX
     from workers.engine.types import NewRequest, SpecParams
 
     off = SpecParams(enabled=False)
-    requests = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, max_new_tokens, off) for rid, p, sp in made]
+    requests = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, n, off) for rid, p, sp, n in made]
     start = time.perf_counter()
     base = engine.generate(requests, ignore_eos=True)
     result["paired_base_wall_s"] += time.perf_counter() - start
@@ -157,7 +166,7 @@ def _run_lockstep(engine, mine: list, made: list, batch: int, max_new_tokens: in
     from workers.engine.types import NewRequest, SpecParams
 
     off = SpecParams(enabled=False)
-    twins = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, max_new_tokens, off) for rid, p, sp in made]
+    twins = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, n, off) for rid, p, sp, n in made]
     span = Span(batch)
     spec = span.watch("spec", engine.batch(mine, max_running=batch, on_step=span.counter("spec", on_step),
                                            ignore_eos=True))

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import signal
 import statistics
@@ -43,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import mixed_prompts
+from bench.datasets import mixed_prompts, request_lengths
 from cluster.client import AsyncSpecdClient
 
 
@@ -93,18 +92,6 @@ def summarize(timings: list[dict], wall_s: float) -> dict[str, Any]:
         "mean_accepted_length": emitted / steps if steps else 0.0,
         "drafter_versions": versions,
     }
-
-
-def request_lengths(count: int, max_new_tokens: int, mode: str = "fixed", seed: int = 0) -> list[int]:
-    """max_new_tokens of each request: all alike ("fixed"), or ("mixed") drawn uniformly from
-    [max_new_tokens / 2, 3 max_new_tokens / 2] (mean max_new_tokens), seeded: every phase sends the same."""
-    if mode == "fixed":
-        return [max_new_tokens] * count
-    if mode != "mixed":
-        raise ValueError(f"unknown --lengths {mode!r}; choose fixed or mixed")
-    rng = random.Random(seed)
-    low, high = max(2, max_new_tokens // 2), max(2, max_new_tokens + max_new_tokens // 2)
-    return [rng.randint(low, high) for _ in range(count)]
 
 
 async def run_phase(address: str, prompts: list[list[dict]], clients: int, lengths: list[int],

@@ -150,7 +150,7 @@ def test_continuous_lockstep_runs_one_queue_paired_by_windows(tmp_path):
     assert code == 0
     result = json.loads(out.read_text())
     assert result["meta"]["batching"] == "continuous" and result["meta"]["paired_by"] == "step"
-    assert "static groups only" in result["meta"]["skipped"]["transformers"]
+    assert "static groups of one length only" in result["meta"]["skipped"]["transformers"]
     rows = {r["system"]: r for r in result["rows"]}
     ngram = rows["specd-ngram"]
     assert ngram["generated_tokens"] == 24 and ngram["greedy_agreement_vs_target_only"] == 1.0
@@ -163,6 +163,25 @@ def test_continuous_lockstep_runs_one_queue_paired_by_windows(tmp_path):
     paired = (spec_tokens / spec_s) / (base_tokens / base_s)
     assert ngram["speedup_vs_target_only_paired"] == pytest.approx(paired)
     assert ngram["ms_per_token_p50"] > 0
+
+
+@pytest.mark.slow
+def test_mixed_lengths_give_each_request_its_own_length_in_every_system(tmp_path):
+    """--lengths mixed: request i generates its seeded length, the same in target-only and specd."""
+    from bench.datasets import request_lengths
+
+    out = tmp_path / "bench.json"
+    code = main(["--systems", "target-only,specd-ngram", "--workloads", "gsm8k", "--batch-sizes", "2",
+                 "--temperatures", "0", "--num-prompts", "4", "--max-new-tokens", "6", "--lengths", "mixed",
+                 "--lockstep", "--json", str(out), "--log-dir", str(tmp_path / "logs")])
+    assert code == 0
+    result = json.loads(out.read_text())
+    lengths = request_lengths(4, 6, "mixed", seed=0)
+    assert result["meta"]["lengths"] == "mixed" and len(set(lengths)) > 1
+    for row in result["rows"]:
+        assert row["requested_tokens"] == row["generated_tokens"] == sum(lengths)
+    ngram = next(r for r in result["rows"] if r["system"] == "specd-ngram")
+    assert ngram["greedy_agreement_vs_target_only"] == 1.0 and ngram["speedup_vs_target_only_paired"] > 0
 
 
 def test_continuous_pairing_by_group_is_refused():
