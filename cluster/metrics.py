@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cluster.redact import redact_text
 from cluster.scheduler import SchedulerObserver, ServedStats
 from workers.engine.types import Draft, VerifyResult
 
@@ -121,7 +122,7 @@ class SpecdMetrics(SchedulerObserver):
             self.live.labels(key=key).set(value)
         self.live_policy.clear()
         self.live_policy.labels(policy=str(bounds.policy_default),
-                                version_pin=version_pin or "").set(1)
+                                version_pin=redact_text(version_pin or "")).set(1)
         self.live_changes.inc()
 
     def on_queue(self, waiting: int, running: int) -> None:

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from cluster.admin import AdminServicer
 from cluster.auth import ServerSecurity
 from cluster.metrics import SpecdMetrics
+from cluster.redact import redact_config
 from cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
 from cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
 from proto.specd.v1 import serving_pb2, serving_pb2_grpc
@@ -248,7 +249,7 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
                      for w in workers],
             gamma_policy_default=str(bounds.policy_default),
             tree_width_default=bounds.tree_width_default,
-            config=b.config,
+            config=redact_config(b.config),      # never a Redis password
         )
 
 
