@@ -18,6 +18,8 @@ from pathlib import Path
 
 import grpc
 
+from configs.validate import OPEN_BIND_HELP, is_loopback_host, open_bind_refused
+
 log = logging.getLogger(__name__)
 
 ADMIN_METHOD_PREFIX = "/specd.v1.SpecdAdmin/"
@@ -27,7 +29,6 @@ OPEN_METHOD_PREFIXES = (
     "/grpc.reflection.v1alpha.ServerReflection/",
     "/grpc.reflection.v1.ServerReflection/",
 )
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def read_tokens(token_file: str | None = None, token_env: str | None = None,
@@ -131,6 +132,7 @@ class ServerSecurity:
 
     credentials: grpc.ServerCredentials | None
     interceptors: tuple[grpc.aio.ServerInterceptor, ...]
+    insecure: bool = False      # off loopback without a bearer token (server.insecure=true)
 
     @classmethod
     def from_config(cls, server) -> ServerSecurity:
@@ -151,14 +153,17 @@ class ServerSecurity:
                              "server.tls_key_file")
         tokens = read_tokens(server.auth_token_file, server.auth_token_env)
         admin = read_tokens(server.admin_token_file, server.admin_token_env, key="admin_token")
-        loopback = server.host in LOOPBACK_HOSTS
+        loopback = is_loopback_host(server.host)
+        if open_bind_refused(server.host, bool(tokens), server.insecure):
+            raise ValueError(f"server.host={server.host!r}: {OPEN_BIND_HELP}")
         # no interceptor at all only on a loopback host without tokens: everything open there
         needed = tokens or admin or not loopback
         interceptors = (BearerAuthInterceptor(tokens, admin),) if needed else ()
         if not loopback and not (credentials and tokens):
-            log.warning("serving on %s without %s: anyone who reaches the port can use it", server.host,
-                        " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on))
-        return cls(credentials, interceptors)
+            log.warning("serving on %s without %s%s: anyone who reaches the port can use it", server.host,
+                        " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on),
+                        " (server.insecure=true)" if not tokens else "")
+        return cls(credentials, interceptors, insecure=not loopback and not tokens)
 
 
 def _read(path: str, key: str) -> bytes:

@@ -155,6 +155,7 @@ async def _bring_up(
              len(infos))
 
     metrics = SpecdMetrics()
+    metrics.server_insecure.set(1.0 if security.insecure else 0.0)
     from cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
     from cluster.replay import ObserverFanout
 

@@ -233,6 +233,9 @@ class ServerConfig:
     # = the bearer tokens above; none at all = admin only on a loopback host.
     admin_token_file: str | None = None
     admin_token_env: str | None = None  # name of an environment variable holding the admin token
+    # A non-loopback host without auth_token_file/auth_token_env is refused at start; true serves it
+    # open on purpose (logged as a warning, exported as specd_server_insecure 1)
+    insecure: bool = False
 
 
 @dataclass

@@ -216,3 +216,36 @@ def test_specd_generate_takes_tls_and_token_options(secured, monkeypatch, tmp_pa
     monkeypatch.delenv("SPECD_TOKEN")
     assert main([*base, "--token-file", str(token_file)]) == 0
     assert "3 tokens" in capsys.readouterr().err
+
+
+def test_open_non_loopback_bind_refused_at_start(capsys) -> None:
+    """`specd serve server.host=0.0.0.0` without a token stops at config validation, naming the keys."""
+    from cluster.cli import main
+
+    assert main(["serve", "server.host=0.0.0.0", "ray.address=none-needed"]) == 2
+    err = capsys.readouterr().err
+    assert "server.host='0.0.0.0'" in err
+    for key in ("server.auth_token_file", "server.auth_token_env", "server.insecure=true"):
+        assert key in err
+    for host in ("0.0.0.0", "10.1.2.3", "::", "router.example"):
+        with pytest.raises(ValueError, match="server.auth_token_file or server.auth_token_env"):
+            ServerSecurity.from_config(ServerConfig(host=host))
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        assert ServerSecurity.from_config(ServerConfig(host=host)).insecure is False
+
+
+def test_insecure_on_purpose_is_logged_and_exported(caplog) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from cluster.metrics import SpecdMetrics
+    from configs import load_config
+
+    cfg = load_config(["server.host=0.0.0.0", "server.insecure=true"])
+    with caplog.at_level("WARNING", logger="cluster.auth"):
+        security = ServerSecurity.from_config(cfg.server)
+    assert security.insecure
+    assert any("server.insecure=true" in r.getMessage() and "anyone who reaches the port" in r.getMessage()
+               for r in caplog.records)
+    metrics = SpecdMetrics(CollectorRegistry())
+    metrics.server_insecure.set(1.0 if security.insecure else 0.0)
+    assert metrics.registry.get_sample_value("specd_server_insecure") == 1.0
