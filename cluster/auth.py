@@ -95,16 +95,19 @@ def _matches(authorization: str | None, tokens: tuple[bytes, ...]) -> bool:
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <one of tokens>` (health and reflection exempt).
 
-    Admin calls (SpecdAdmin) need one of admin_tokens when there are any, else one of tokens; with
-    neither they are refused (a server without tokens gets this interceptor only off loopback)."""
+    Admin calls (SpecdAdmin) need one of admin_tokens when there are any; without admin tokens they
+    take a user token only where admin_falls_back (a loopback server: whoever can reach it runs on the
+    machine already), else they are refused. Off loopback an admin token is always its own secret."""
 
-    def __init__(self, tokens: tuple[str, ...], admin_tokens: tuple[str, ...] = ()):
+    def __init__(self, tokens: tuple[str, ...], admin_tokens: tuple[str, ...] = (),
+                 admin_falls_back: bool = True):
         self._tokens = tuple(t.encode() for t in tokens)
         self._admin = tuple(t.encode() for t in admin_tokens)
+        self._admin_falls_back = admin_falls_back
 
     def allowed(self, authorization: str | None, admin: bool = False) -> bool:
         if admin:
-            return _matches(authorization, self._admin or self._tokens)
+            return _matches(authorization, self._admin or (self._tokens if self._admin_falls_back else ()))
         return not self._tokens or _matches(authorization, self._tokens)
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -118,9 +121,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         admin = method.startswith(ADMIN_METHOD_PREFIX)
         if self.allowed(authorization, admin):
             return handler
-        if admin and not (self._admin or self._tokens):
+        if admin and not (self._admin or (self._tokens and self._admin_falls_back)):
             return _deny(handler, "admin RPCs on a non-loopback server need server.admin_token_file or "
-                                  "admin_token_env (or server.auth_token_file/env)")
+                                  "server.admin_token_env")
         reason = "missing bearer token" if not authorization else "invalid bearer token"
         what = "admin token" if admin and self._admin else "token"
         return _deny(handler, f"{reason}: send metadata 'authorization: Bearer <{what}>'")
@@ -133,6 +136,8 @@ class ServerSecurity:
     credentials: grpc.ServerCredentials | None
     interceptors: tuple[grpc.aio.ServerInterceptor, ...]
     insecure: bool = False      # off loopback without a bearer token (server.insecure=true)
+    # SpecdAdmin is served: always on loopback; off loopback only with an admin token of its own
+    admin_service: bool = True
 
     @classmethod
     def from_config(cls, server) -> ServerSecurity:
@@ -158,12 +163,17 @@ class ServerSecurity:
             raise ValueError(f"server.host={server.host!r}: {OPEN_BIND_HELP}")
         # no interceptor at all only on a loopback host without tokens: everything open there
         needed = tokens or admin or not loopback
-        interceptors = (BearerAuthInterceptor(tokens, admin),) if needed else ()
+        interceptors = (BearerAuthInterceptor(tokens, admin, admin_falls_back=loopback),) if needed else ()
+        admin_service = loopback or bool(admin)
+        if not admin_service:
+            log.warning("no admin token (server.admin_token_file / server.admin_token_env) on non-loopback "
+                        "%s: the admin service (SpecdAdmin, `specd admin set`) is not served", server.host)
         if not loopback and not (credentials and tokens):
             log.warning("serving on %s without %s%s: anyone who reaches the port can use it", server.host,
                         " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on),
                         " (server.insecure=true)" if not tokens else "")
-        return cls(credentials, interceptors, insecure=not loopback and not tokens)
+        return cls(credentials, interceptors, insecure=not loopback and not tokens,
+                   admin_service=admin_service)
 
 
 def _read(path: str, key: str) -> bytes:

@@ -27,6 +27,7 @@ from cluster.metrics import SpecdMetrics
 from cluster.redact import redact_config
 from cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
 from cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
+from configs.validate import is_loopback_host
 from proto.specd.v1 import serving_pb2, serving_pb2_grpc
 from workers.engine.types import FinishReason, NewRequest
 
@@ -267,12 +268,15 @@ class GrpcServer:
         interceptors = security.interceptors if security else ()
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         serving_pb2_grpc.add_SpecdServicer_to_server(servicer, self.server)
-        serving_pb2_grpc.add_SpecdAdminServicer_to_server(AdminServicer(servicer), self.server)
+        # off loopback the admin service exists only with an admin token of its own (ServerSecurity)
+        self.admin = security.admin_service if security else is_loopback_host(host)
+        if self.admin:
+            serving_pb2_grpc.add_SpecdAdminServicer_to_server(AdminServicer(servicer), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        services = (SERVICE_NAME, *((ADMIN_SERVICE_NAME,) if self.admin else ()), health.SERVICE_NAME,
+                    reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, self.server)
         self.bind_host = f"[{host}]" if ":" in host else host
         credentials = security.credentials if security else None
         self.tls = credentials is not None

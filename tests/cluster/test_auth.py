@@ -69,7 +69,8 @@ def start(lt: LoopThread, server_cfg: ServerConfig, stack: list) -> GrpcServer:
         sched = Scheduler([(target, drafter)], capacity=2, max_queue=4, max_running=2, pipeline_groups=1,
                           eos_token_ids=[EOS])
         await sched.start()
-        srv = GrpcServer(SpecdServicer(), port=0, security=ServerSecurity.from_config(server_cfg),
+        srv = GrpcServer(SpecdServicer(), server_cfg.host, port=0,
+                         security=ServerSecurity.from_config(server_cfg),
                          max_message_bytes=server_cfg.max_message_bytes,
                          health_port=server_cfg.health_port or None)
         await srv.start()
@@ -249,3 +250,46 @@ def test_insecure_on_purpose_is_logged_and_exported(caplog) -> None:
     metrics = SpecdMetrics(CollectorRegistry())
     metrics.server_insecure.set(1.0 if security.insecure else 0.0)
     assert metrics.registry.get_sample_value("specd_server_insecure") == 1.0
+
+
+def stop_all(lt: LoopThread, stack: list) -> None:
+    for srv, sched in stack:
+        lt.run(srv.stop(0))
+        lt.run(sched.stop())
+    lt.close()
+
+
+def test_off_loopback_admin_needs_its_own_token(tmp_path, monkeypatch, capsys, caplog) -> None:
+    """On 0.0.0.0 a user token never authorizes SetConfig; without an admin token there is no admin
+    service at all (said at start); with one, only it works."""
+    from cluster.cli import main
+
+    (tmp_path / "user").write_text(TOKEN)
+    (tmp_path / "admin").write_text("admin-secret")
+    lt, stack = LoopThread(), []
+    try:
+        with caplog.at_level("WARNING", logger="cluster.auth"):
+            srv = start(lt, ServerConfig(host="0.0.0.0", auth_token_file=str(tmp_path / "user")), stack)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("admin service" in m and "not served" in m for m in said), said
+        address = f"127.0.0.1:{srv.port}"
+        monkeypatch.delenv("SPECD_ADMIN_TOKEN", raising=False)
+        monkeypatch.setenv("SPECD_TOKEN", TOKEN)      # `specd admin set` falls back to the user token
+        assert main(["admin", "set", "spec.gamma=2", "--address", address]) == 1
+        assert "UNIMPLEMENTED" in capsys.readouterr().err
+        with SpecdClient(address, timeout=30, security=Security(token=TOKEN)) as c:
+            services = set(ProtoReflectionDescriptorDatabase(c.channel).get_services())
+            assert "specd.v1.SpecdAdmin" not in services
+            assert c.generate(text="hi", max_new_tokens=2).token_ids       # the user API still works
+
+        srv = start(lt, ServerConfig(host="0.0.0.0", auth_token_file=str(tmp_path / "user"),
+                                     admin_token_file=str(tmp_path / "admin")), stack)
+        address = f"127.0.0.1:{srv.port}"
+        assert main(["admin", "set", "spec.gamma=2", "--address", address]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+    finally:
+        stop_all(lt, stack)
+    auth = BearerAuthInterceptor(("user",), (), admin_falls_back=False)
+    assert auth.allowed("Bearer user") and not auth.allowed("Bearer user", admin=True)
+    loopback = BearerAuthInterceptor(("user",), ())
+    assert loopback.allowed("Bearer user", admin=True)
