@@ -12,9 +12,11 @@ failed on the request. A client cancel or deadline aborts the request, which fre
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,6 +37,7 @@ from workers.engine.types import FinishReason, NewRequest
 _WORKER_FIELDS = frozenset(serving_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
 
 log = logging.getLogger(__name__)
+TOKENIZER_THREADS = 4
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Specd"].full_name   # "specd.v1.Specd"
 ADMIN_SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["SpecdAdmin"].full_name
@@ -139,6 +142,12 @@ class Backend:
 class SpecdServicer(serving_pb2_grpc.SpecdServicer):
     def __init__(self, backend: Backend | None = None):
         self.backend = backend
+        # Prompts are tokenized off the event loop, so a long one never stalls the streams, and on a few
+        # threads, so one slow prompt does not hold up the next request's (validation bounds a prompt's
+        # characters first, so each tokenization is short). Concurrent calls are safe: the router never
+        # changes the tokenizer's truncation or padding, the only state a fast tokenizer mutates.
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS,
+                                                 thread_name_prefix="specd-tokenize")
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Backend:
         if self.backend is None:
@@ -151,7 +160,8 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
         """The stream of one request: deltas, then one final message. Shared by both RPCs."""
         b = await self._ready(context)
         try:
-            valid = validate_request(request, b.bounds, b.codec)
+            valid = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_pool, validate_request, request, b.bounds, b.codec)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = uuid.uuid4().hex
@@ -318,3 +328,4 @@ class GrpcServer:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        self.servicer.tokenizer_pool.shutdown(wait=False)

@@ -229,6 +229,9 @@ class ServerConfig:
     auth_token_file: str | None = None
     auth_token_env: str | None = None   # name of an environment variable holding a token
     max_message_bytes: int = 4194304    # gRPC receive/send limit per message (4 MiB, gRPC's default)
+    # Longest text or chat prompt in characters, refused before tokenizing (a long text would hold the
+    # tokenizer for seconds); None = 32 x target.max_seq_len
+    max_prompt_chars: int | None = None
     # Tokens of the admin RPC (SpecdAdmin.SetConfig, `specd admin set`), file and/or variable name; unset
     # = the bearer tokens above; none at all = admin only on a loopback host.
     admin_token_file: str | None = None

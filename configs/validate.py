@@ -37,7 +37,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "server.port": (0, 65535), "server.health_port": (0, 65535), "server.metrics_port": (0, 65535),
     "server.max_queue": (1, None), "server.max_running": (1, None), "server.pipeline_groups": (1, 2),
     "server.max_message_bytes": (1024, 2**31 - 1), "server.shutdown_grace_s": (0, None),
-    "server.health_probe_s": (0, None),
+    "server.health_probe_s": (0, None), "server.max_prompt_chars": (1, None),
     "replay.maxlen": (1, None), "replay.queue_size": (1, None),
     "trainer.num_gpus": (0, None), "trainer.num_cpus": (0, None), "trainer.lr": (0, None),
     "trainer.batch_records": (1, None), "trainer.keep_versions": (1, None),
