@@ -1,7 +1,8 @@
 """The gRPC router (grpc.aio): validates requests, admits them to the scheduler, streams tokens and text.
 
 The tokenizer lives here, not in the workers: prompts are rendered and encoded once, and generated
-tokens are decoded incrementally for text deltas and stop strings. Standard grpc.health.v1 says
+tokens are decoded incrementally for text deltas and stop strings. Standard grpc.health.v1 (with the
+liveness and readiness services of cluster/health_probe.py) says
 NOT_SERVING until the backend (models loaded and warm) is attached, and server reflection lets a
 generic client (grpcurl, grpcui) discover the API.
 
@@ -25,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.admin import AdminServicer
 from cluster.auth import ServerSecurity
+from cluster.health_probe import SpecdHealth
 from cluster.metrics import SpecdMetrics
 from cluster.redact import redact_config
 from cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
@@ -282,7 +284,8 @@ class GrpcServer:
         self.admin = security.admin_service if security else is_loopback_host(host)
         if self.admin:
             serving_pb2_grpc.add_SpecdAdminServicer_to_server(AdminServicer(servicer), self.server)
-        self.health = health.aio.HealthServicer()
+        self.serving_verdict = True          # the HealthProber's last verdict (set_serving)
+        self.health = SpecdHealth(alive=self._alive, ready=self._ready)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         services = (SERVICE_NAME, *((ADMIN_SERVICE_NAME,) if self.admin else ()), health.SERVICE_NAME,
                     reflection.SERVICE_NAME)
@@ -310,13 +313,24 @@ class GrpcServer:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
-        await self.set_serving(self.servicer.backend is not None)
+        await self.set_serving(True)
+
+    def _alive(self) -> bool:
+        backend = self.servicer.backend
+        return backend is None or backend.scheduler.loops_alive()
+
+    def _ready(self) -> bool:
+        backend = self.servicer.backend
+        return backend is not None and self.serving_verdict and backend.scheduler.can_admit()
 
     async def set_serving(self, serving: bool) -> None:
+        """The serving verdict ("" and specd.v1.Specd); readiness follows it (cluster/health_probe.py)."""
         states = health_pb2.HealthCheckResponse
-        status = states.SERVING if serving else states.NOT_SERVING
+        self.serving_verdict = serving
+        status = states.SERVING if serving and self.servicer.backend is not None else states.NOT_SERVING
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
+        await self.health.refresh()
 
     async def attach(self, backend: Backend) -> None:
         """The models are loaded and warm: accept requests and report SERVING."""
