@@ -275,6 +275,7 @@ class GrpcServer:
         """security: TLS credentials and the bearer-token interceptor (None = plaintext, open);
         health_port: a plaintext port serving grpc.health.v1 only, for kubelet probes."""
         self.servicer = servicer
+        self.security = security
         options = ([("grpc.max_receive_message_length", max_message_bytes),
                     ("grpc.max_send_message_length", max_message_bytes)] if max_message_bytes else [])
         interceptors = security.interceptors if security else ()

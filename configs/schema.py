@@ -224,6 +224,10 @@ class ServerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None     # PEM private key of tls_cert_file
     tls_client_ca_file: str | None = None  # PEM CA for mutual TLS; null = no client certificates
+    # Oldest TLS version accepted: "1.2" (gRPC's own floor; TLS 1.3 is offered and preferred) or "1.3",
+    # which grpcio cannot enforce yet and is refused at start (docs/security.md). The certificate files
+    # are re-read when they change.
+    tls_min_version: str = "1.2"
     # Bearer tokens every RPC but health and reflection needs: a file (one token per line, so a
     # rotation can hold two) and/or an environment variable's name. Never a token on the command line.
     auth_token_file: str | None = None

@@ -92,6 +92,8 @@ def check(cfg: Any) -> None:
     if server.tls_client_ca_file and not server.tls_cert_file:
         raise _bad("server.tls_client_ca_file", server.tls_client_ca_file,
                    "mutual TLS needs server.tls_cert_file and server.tls_key_file")
+    if server.tls_min_version not in ("1.2", "1.3"):
+        raise _bad("server.tls_min_version", server.tls_min_version, "one of '1.2', '1.3'")
     if server.health_port and server.health_port == server.port:
         raise _bad("server.health_port", server.health_port, "must differ from server.port")
     if open_bind_refused(server.host, bool(server.auth_token_file or server.auth_token_env),
