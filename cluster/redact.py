@@ -8,6 +8,7 @@ variable names do), so the URL credentials and secret-looking query parameters a
 
 from __future__ import annotations
 
+import logging
 import re
 
 MASK = "***"
@@ -41,3 +42,24 @@ def redact_text(text: str) -> str:
 def redact_config(config: dict[str, str]) -> dict[str, str]:
     """A flattened config (configs.flatten) fit to show to a client or export as labels."""
     return {key: redact_text(value) for key, value in config.items()}
+
+
+class RedactingFilter(logging.Filter):
+    """A handler filter that masks URL credentials in every record it passes, tracebacks included: a
+    net under the call sites, which already mask what they log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact_text(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def install_log_redaction(logger: logging.Logger | None = None) -> None:
+    """Put a RedactingFilter on every handler of `logger` (the root logger by default)."""
+    for handler in (logger or logging.getLogger()).handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())

@@ -83,3 +83,23 @@ def test_metric_labels_and_config_are_masked() -> None:
 ])
 def test_redact_text(text, shown) -> None:
     assert redact_text(text) == shown
+
+
+def test_log_redaction_filter_masks_messages_and_tracebacks() -> None:
+    import io
+
+    from cluster.redact import install_log_redaction
+
+    stream = io.StringIO()
+    logger = logging.getLogger("specd-test-redaction")
+    logger.propagate = False
+    logger.addHandler(logging.StreamHandler(stream))
+    install_log_redaction(logger)
+    url = f"redis://:{PASSWORD}@h:1/0"
+    logger.warning("connecting to %s", url)
+    try:
+        raise ConnectionError(f"cannot reach {url}")
+    except ConnectionError:
+        logger.exception("failed")
+    text = stream.getvalue()
+    assert PASSWORD not in text and text.count("redis://:***@h:1/0") == 2
