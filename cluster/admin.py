@@ -178,6 +178,9 @@ def _cmd_admin(args: argparse.Namespace) -> int:
                     print(f"{key}={config.get(key, '<unknown key>')}")
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            print("the server has no admin service: off loopback it needs server.admin_token_file or "
+                  "server.admin_token_env", file=sys.stderr)
         return 1
     return 0
 
