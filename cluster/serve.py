@@ -155,6 +155,7 @@ async def _bring_up(
              len(infos))
 
     metrics = SpecdMetrics()
+    metrics.server_insecure.set(1.0 if security.insecure else 0.0)
     from cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
     from cluster.replay import ObserverFanout
 
@@ -283,7 +284,10 @@ async def _shut_down(res: _Resources) -> None:
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cluster.redact import install_log_redaction
     from configs import ConfigError
+
+    install_log_redaction()
 
     try:
         cfg = config_from_args(args)

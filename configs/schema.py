@@ -224,15 +224,25 @@ class ServerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None     # PEM private key of tls_cert_file
     tls_client_ca_file: str | None = None  # PEM CA for mutual TLS; null = no client certificates
+    # Oldest TLS version accepted: "1.2" (gRPC's own floor; TLS 1.3 is offered and preferred) or "1.3",
+    # which grpcio cannot enforce yet and is refused at start (docs/security.md). The certificate files
+    # are re-read when they change.
+    tls_min_version: str = "1.2"
     # Bearer tokens every RPC but health and reflection needs: a file (one token per line, so a
     # rotation can hold two) and/or an environment variable's name. Never a token on the command line.
     auth_token_file: str | None = None
     auth_token_env: str | None = None   # name of an environment variable holding a token
     max_message_bytes: int = 4194304    # gRPC receive/send limit per message (4 MiB, gRPC's default)
+    # Longest text or chat prompt in characters, refused before tokenizing (a long text would hold the
+    # tokenizer for seconds); None = 32 x target.max_seq_len
+    max_prompt_chars: int | None = None
     # Tokens of the admin RPC (SpecdAdmin.SetConfig, `specd admin set`), file and/or variable name; unset
     # = the bearer tokens above; none at all = admin only on a loopback host.
     admin_token_file: str | None = None
     admin_token_env: str | None = None  # name of an environment variable holding the admin token
+    # A non-loopback host without auth_token_file/auth_token_env is refused at start; true serves it
+    # open on purpose (logged as a warning, exported as specd_server_insecure 1)
+    insecure: bool = False
 
 
 @dataclass
