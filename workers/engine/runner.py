@@ -61,8 +61,8 @@ class ModelRunner:
         come, the CPU path), "static" (bucketed static shapes over the preallocated cache, run
         eagerly: the GPU path's logic, testable anywhere) or "graph" (static, each bucket captured
         as a CUDA graph on first use; CUDA only). See workers/engine/static_decode.py.
-        compile: torch.compile the forward. Measured on SmolLM2 here: 4-7 minutes of compilation per
-        graph and forwards 5x slower than eager with packed weights, so it is off by default.
+        compile: torch.compile the forward; off by default: on a CPU it compiles for minutes per graph
+        and ran slower than eager with packed weights (docs/decisions/cpu-kernels.md).
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)

@@ -265,8 +265,8 @@ class SpecStep:
         colocated = self.drafter is not None and self.drafter.mode == "direct"
         # Only steps with a speculating request teach the drafter what host work drafting adds: a step of
         # target-only requests alone (the engine bench's step-paired twin batch, or traffic with speculation
-        # off) has no drafter work at all, and counted as a plain step it made drafting look dearer (batch 1
-        # GSM8K, step-paired: MAL 1.53 against 1.84 group-paired).
+        # off) has no drafter work at all, and counted as a plain step it made drafting look dearer
+        # (docs/decisions/bench-method.md).
         if colocated and eligible and len(self._step_times) < STEP_TIMES_MAX:
             seconds = time.perf_counter() - t0 - results[0].verify_seconds
             self._step_times.append((len(live), any(d.tokens for d in drafts), bool(proposed), seconds))
