@@ -403,7 +403,8 @@ def add_cli(subparsers) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--gamma", type=int, default=None, help="draft length budget per step")
     g.add_argument("--tree-width", type=int, default=None, help="1 = chain; >1 = token tree")
-    g.add_argument("--gamma-policy", default=None, help="fixed, egag, confidence or adaptive")
+    g.add_argument("--gamma-policy", default=None,
+                   help="goodput (the server's default), fixed, egag, confidence or adaptive")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     g.set_defaults(func=_cmd_generate)

@@ -124,7 +124,7 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
         tree = c.generate(PROMPTS[0], max_new_tokens=24, tree_width=2, gamma=3)
         assert tree.usage["drafted"] > 3 * tree.usage["steps"], "a tree, not a chain of γ = 3"
     # a seeded request is reproducible under a γ policy that does not follow measured time (under goodput,
-    # the default, γ and so the draws may differ run to run: README "Goodput-driven γ")
+    # the default, γ and so the draws may differ run to run: docs/speculation.md)
     seeded = dict(max_new_tokens=12, temperature=0.8, seed=7, gamma_policy="fixed")
     sampled = [c.generate(PROMPTS[0], **seeded).token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]
