@@ -29,12 +29,17 @@ _MIN_CPU = 0.01
 
 def ray_init_kwargs(cfg: SpecdConfig) -> dict[str, Any]:
     """Arguments of ray.init: connect to cfg.ray.address, or start a local cluster big enough for
-    every bundle plus the driver (Ray's CPUs are logical: the 2-core machine still fits 4)."""
+    every bundle plus the driver (Ray's CPUs are logical: the 2-core machine still fits 4).
+
+    Without an address, ray.init() would follow RAY_ADDRESS or the <tmp>/ray/ray_current_cluster file
+    that any earlier cluster on the machine left behind (even one stopped uncleanly) and then refuse
+    num_cpus; address="local" always starts our own. Joining a cluster is what ray.address is for."""
     kwargs: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": cfg.ray.include_dashboard}
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
         del kwargs["include_dashboard"]        # only meaningful when starting a cluster
     else:
+        kwargs["address"] = "local"
         needed = sum(b.get("CPU", 0.0) for b in placement_bundles(cfg)) + 1
         if cfg.replay.enabled and cfg.trainer.enabled:
             needed += cfg.trainer.num_cpus      # the online trainer's actor (cluster/trainer_actor.py)
