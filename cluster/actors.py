@@ -169,10 +169,13 @@ def _default_classes() -> tuple[type, type]:
 
 
 def create_cluster(
-    cfg: SpecdConfig, model_dir: str, target_cls: type | None = None, drafter_cls: type | None = None
+    cfg: SpecdConfig, model_dir: str, target_cls: type | None = None, drafter_cls: type | None = None,
+    versions: dict | None = None,
 ) -> Cluster:
     """Reserve the placement group and start every actor (they load their models in the background;
-    the first call on a handle waits for its constructor)."""
+    the first call on a handle waits for its constructor). versions: where the DraftWorkers read the
+    serving drafter version (cluster.online.versions_spec), so that a drafter on another node, or
+    restarted on one, never needs this machine's disk; None: drafter.path on their own node."""
     import ray
 
     if target_cls is None or drafter_cls is None:
@@ -190,8 +193,9 @@ def create_cluster(
         target = target_remote.options(**target_actor_options(cfg, pg, i, tag, gpus)).remote(
             cfg.target, target_seed, cfg.cache_dir
         )
+        extra = {"versions": versions} if versions is not None else {}
         drafter = drafter_remote.options(**drafter_actor_options(cfg, pg, i, tag, gpus)).remote(
-            cfg.drafter, cfg.spec, str(model_dir), drafter_seed, cfg.cache_dir
+            cfg.drafter, cfg.spec, str(model_dir), drafter_seed, cfg.cache_dir, **extra
         )
         replicas.append(ReplicaActors(i, target, drafter))
     return Cluster(pg, replicas)
