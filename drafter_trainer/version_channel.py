@@ -98,10 +98,12 @@ class MirroredStore(VersionStore):
         self.pending = False
 
     def sync_pending(self) -> None:
-        """The trainer's loop calls this: after Redis was away, what was published meanwhile goes out."""
-        if self.pending:
+        """The trainer's loop calls this: after Redis was away, what was published meanwhile goes out; a
+        Redis that came back empty (no persistence) gets the serving version back, so that a DraftWorker
+        starting later still finds one."""
+        if self.pending or (self.current() is not None and self.mirror.current() is None):
             self.push_current()
-            log.info("drafter versions: Redis back, CURRENT %s pushed", self.current())
+            log.info("drafter versions: CURRENT %s pushed to Redis again", self.current())
 
     def adopt(self, target_sum: str) -> str | None:
         """At start: take Redis's serving version (downloaded into this store) when it is for this

@@ -108,6 +108,13 @@ def test_redis_loss_trainer_restart_and_draft_worker_restart(tmp_path, tiny_llam
     worker.propose([])
     assert worker.version() == v1
 
+    # Redis restarts empty again with nothing pending: the trainer's loop gives it the serving version back
+    redis_server.stop(remove_files=False)
+    redis_server.start()
+    assert store.mirror.current() is None
+    store.sync_pending()
+    assert store.mirror.current() == v1
+
     # the trainer pod restarts without its volume: it adopts what serves
     fresh = MirroredStore(tmp_path / "trainer-new-pod", RedisMirror(_spec(redis_server), PREFIX))
     assert fresh.adopt(target_checksum(tiny_llama_dir)) == v1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,7 +68,13 @@ class Pod:
                     self._spawn(c)
             time.sleep(0.5)
 
-    def start(self) -> None:
+    def start(self, fresh: bool = False) -> None:
+        """fresh: the pod was deleted and is created again: its emptyDirs (everything but `volume`, a
+        PersistentVolumeClaim's stand-in, and the logs) start empty."""
+        if fresh:
+            for child in self.root.iterdir():
+                if child.name not in ("volume", "logs", "config"):
+                    shutil.rmtree(child, ignore_errors=True)
         self.alive = True
         self._threads = []
         for c in self.containers:
@@ -91,12 +98,19 @@ class Pod:
         self.alive = False
         for t in self._threads:
             t.join(timeout=5)
+        for c in self.containers:
+            # the container's own process group (a process that rewrites its environment, as
+            # redis-server's title does, is not found by the marker)
+            if c.proc is not None and c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
         for p in self.processes():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
         for c in self.containers:
             if c.proc is not None:
-                c.proc.wait(timeout=30)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=30)
 
     def stop(self) -> None:
         """Graceful end of the test: SIGTERM, then what is left is killed."""

@@ -186,7 +186,7 @@ class Release:
         config = next(d for d in docs
                       if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rel-specd-config")
         overrides = head.path("config") / "overrides.txt"
-        self.trainer_store = root / "trainer" / "volume"
+        self.trainer_store = root / "trainer" / "volume"      # the trainer's PVC
         overrides.write_text(router_overrides(config["data"]["overrides.txt"], self.redis_port, files,
                                               self.trainer_store))
         router = next(c for c in hspec if c["name"] == "router")
@@ -285,7 +285,7 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release) -> None:
         pod.kill()
         ok = failed = 0
         recovered = None
-        pod.start()
+        pod.start(fresh=True)
         while recovered is None:
             p = PROMPTS[(ok + failed) % len(PROMPTS)]
             try:
@@ -299,6 +299,8 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release) -> None:
                 time.sleep(1.0)
             assert time.monotonic() - killed < 600, f"{name}: no recovery\n{release.tail()}"
         effects[name] = (recovered, ok, failed)
+        print(f"restart of pod {name}: ready again after {recovered:.1f} s; meanwhile {ok} requests "
+              f"succeeded (exact), {failed} failed", flush=True)
         if name in ("draft", "head"):
             # the (re)started DraftWorker drafts with the version that serves, from Redis
             serving = release.redis_current()
@@ -310,7 +312,5 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release) -> None:
                     break
                 assert time.monotonic() < deadline, (name, serving, versions_of(out))
                 serving = release.redis_current()
-    for name, (recovered, ok, failed) in effects.items():
-        print(f"restart of pod {name}: ready again after {recovered:.1f} s; meanwhile {ok} requests "
-              f"succeeded (exact), {failed} failed")
+    assert set(effects) == {"trainer", "draft", "target", "redis", "head"}
     c.close()
