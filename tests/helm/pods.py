@@ -46,10 +46,12 @@ class Pod:
     alive: bool = False
     uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     _threads: list[threading.Thread] = field(default_factory=list)
+    _dirs: set[Path] = field(default_factory=set)      # the pod's mounts: there again after a restart
 
     def path(self, *parts: str) -> Path:
         p = self.root.joinpath(*parts)
         p.mkdir(parents=True, exist_ok=True)
+        self._dirs.add(p)
         return p
 
     def _spawn(self, c: Container) -> None:
@@ -75,6 +77,8 @@ class Pod:
             for child in self.root.iterdir():
                 if child.name not in ("volume", "logs", "config"):
                     shutil.rmtree(child, ignore_errors=True)
+            for d in self._dirs:
+                d.mkdir(parents=True, exist_ok=True)
         self.alive = True
         self._threads = []
         for c in self.containers:
