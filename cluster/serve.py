@@ -242,14 +242,26 @@ def _publish_first_version(cfg: SpecdConfig, res: _Resources, model_dir: str) ->
     from workers.models.loader import default_cache_dir
 
     res.online_redis = open_online_redis(cfg)
-    if res.online_redis is None or not cfg.drafter.path or not drafter_class(cfg.drafter.kind).has_weights(
-            cfg.drafter):
+    if res.online_redis is None or not drafter_class(cfg.drafter.kind).has_weights(cfg.drafter):
         return None
+    import redis
+
+    from drafter_trainer.drafter_format import DrafterFormatError
+    from workers.drafters.model import resolve_drafter_dir
+    from workers.drafters.versions import VersionError
+
+    hidden = bool(cfg.drafter.target_hidden) and cfg.target.backend == "torch"
     endpoint = res.online_redis[0]
     spec = versions_spec(cfg, endpoint)
     redis_spec = {**spec["redis"], "password": endpoint.password}
     store = Path(cfg.cache_dir or default_cache_dir()) / "drafters" / "router-published"
-    publish_first_version(redis_spec, spec["prefix"], cfg.drafter.path, model_dir, store)
+    try:
+        drafter_dir = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, hidden)   # None: bootstrapped
+        publish_first_version(redis_spec, spec["prefix"], drafter_dir, model_dir, store)
+    except (OSError, DrafterFormatError, VersionError, redis.RedisError) as exc:
+        # a drafter without specd's metadata, or Redis refusing: drafters load drafter.path on their node
+        log.warning("first-start drafter not published to Redis (%s); DraftWorkers read drafter.path", exc)
+        return None
     return spec
 
 
