@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cluster import cpu_affinity
-from configs.schema import SpecdConfig
-from workers.engine.build import worker_seeds
+from specd.cluster import cpu_affinity
+from specd.configs.schema import SpecdConfig
+from specd.workers.engine.build import worker_seeds
 
 # A bundle must reserve something; an actor configured with no CPU and no GPU gets this sliver.
 _MIN_CPU = 0.01
@@ -162,8 +162,8 @@ class Cluster:
 
 
 def _default_classes() -> tuple[type, type]:
-    from workers.engine.draft_worker import DraftWorker
-    from workers.engine.target_worker import TargetWorker
+    from specd.workers.engine.draft_worker import DraftWorker
+    from specd.workers.engine.target_worker import TargetWorker
 
     return TargetWorker, DraftWorker
 
@@ -174,7 +174,7 @@ def create_cluster(
 ) -> Cluster:
     """Reserve the placement group and start every actor (they load their models in the background;
     the first call on a handle waits for its constructor). versions: where the DraftWorkers read the
-    serving drafter version (cluster.online.versions_spec), so that a drafter on another node, or
+    serving drafter version (specd.cluster.online.versions_spec), so that a drafter on another node, or
     restarted on one, never needs this machine's disk; None: drafter.path on their own node."""
     import ray
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import redis
 
-from drafter_trainer.drafter_format import load_drafter
-from drafter_trainer.publish import VersionStore
-from workers.drafters.redis_versions import (
+from specd.drafter_trainer.drafter_format import load_drafter
+from specd.drafter_trainer.publish import VersionStore
+from specd.workers.drafters.redis_versions import (
     fetch_version,
     prune,
     push_version,
@@ -31,7 +31,7 @@ from workers.drafters.redis_versions import (
     redis_current,
     set_current,
 )
-from workers.drafters.versions import target_checksum, version_dir, write_current
+from specd.workers.drafters.versions import target_checksum, version_dir, write_current
 
 log = logging.getLogger(__name__)
 

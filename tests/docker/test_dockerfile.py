@@ -48,8 +48,8 @@ def test_runs_as_a_non_root_user(parsed) -> None:
 
 
 def test_cmd_runs_a_specd_subcommand_with_valid_overrides(parsed) -> None:
-    from cluster.cli import build_parser
-    from configs import load_config
+    from specd.cluster.cli import build_parser
+    from specd.configs import load_config
 
     cmd = json.loads(parsed.cmd)            # exec form: no shell between the signal and the server
     assert cmd[0] == "specd"
@@ -130,7 +130,7 @@ def test_first_start_needs_nothing_the_image_lacks(parsed) -> None:
     assert ["data", "/opt/specd/data"] in copies
     envs = " ".join(ins["value"] for ins in final_stage(parsed) if ins["instruction"] == "ENV")
     assert "SPECD_DATA_DIR=/opt/specd/data" in envs
-    from workers.prompts import _FILES, GENERAL_SOURCES
+    from specd.workers.prompts import _FILES, GENERAL_SOURCES
 
     for source in GENERAL_SOURCES:          # what BootstrapConfig.quick reads, under data/
         assert (ROOT / "data" / _FILES[source]).is_file()

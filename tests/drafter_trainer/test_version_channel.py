@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
-from cluster.redis_server import ManagedRedis
-from configs import load_config
-from drafter_trainer.drafter_format import load_drafter
-from drafter_trainer.version_channel import MirroredStore, RedisMirror, publish_first_version
+from specd.cluster.redis_server import ManagedRedis
+from specd.configs import load_config
+from specd.drafter_trainer.drafter_format import load_drafter
+from specd.drafter_trainer.version_channel import MirroredStore, RedisMirror, publish_first_version
+from specd.workers.drafters.versions import target_checksum
+from specd.workers.engine.draft_worker import DraftWorker
 from tests.drafter_trainer.online_helpers import make_tiny_drafter
-from workers.drafters.versions import target_checksum
-from workers.engine.draft_worker import DraftWorker
 
 PREFIX = "specd:replay:drafters"
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")

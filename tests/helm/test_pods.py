@@ -60,8 +60,8 @@ def build_image(root: Path) -> tuple[Path, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from specd.workers.models.loader import ensure_target_model
     from tests.drafter_trainer.online_helpers import make_tiny_drafter
-    from workers.models.loader import ensure_target_model
 
     real = ensure_target_model()
     target = root / "models" / "target"
@@ -217,7 +217,7 @@ class Release:
         return self.ray_ready(name)
 
     def client(self):
-        from cluster.client import Security, SpecdClient
+        from specd.cluster.client import Security, SpecdClient
 
         return SpecdClient(f"127.0.0.1:{self.ports['grpc']}", timeout=120,
                            security=Security(tls=True, ca_file=self.cert, token=self.token))

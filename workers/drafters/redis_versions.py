@@ -27,7 +27,7 @@ from pathlib import Path
 import redis
 from safetensors.torch import save_file
 
-from workers.drafters.versions import (
+from specd.workers.drafters.versions import (
     META_FILE,
     VERSIONS_DIR,
     WEIGHTS_FILE,

@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
-from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
-from workers.drafters.registry import drafter_class
-from workers.engine.gc_freeze import freeze_loaded_objects
-from workers.engine.host_memory import keep_freed_memory
-from workers.engine.profile import profile_drafter
-from workers.engine.target_worker import resolve_device
-from workers.engine.types import Draft, DraftItem, NewRequest
+from specd.workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
+from specd.workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
+from specd.workers.drafters.registry import drafter_class
+from specd.workers.engine.gc_freeze import freeze_loaded_objects
+from specd.workers.engine.host_memory import keep_freed_memory
+from specd.workers.engine.profile import profile_drafter
+from specd.workers.engine.target_worker import resolve_device
+from specd.workers.engine.types import Draft, DraftItem, NewRequest
 
 
 @dataclass
@@ -189,14 +189,18 @@ class DraftWorker:
                 self.drafter.remove_request(rid)
 
     def _versions_root(self) -> Path:
-        from workers.models.loader import default_cache_dir
+        from specd.workers.models.loader import default_cache_dir
 
         return Path(self._cache_dir or default_cache_dir()) / "drafters" / "served"
 
     def _serving_drafter_dir(self, cfg, target_model_dir: str, wait_s: float = 60.0) -> Path:
         """The serving version from the version source, as a drafter directory in this process's own
         cache; the configured cfg.path only when the source has none and that path exists here."""
-        from workers.drafters.redis_versions import SourceUnavailable, materialize_drafter, version_source
+        from specd.workers.drafters.redis_versions import (
+            SourceUnavailable,
+            materialize_drafter,
+            version_source,
+        )
 
         source = version_source(self._versions, self._versions_root())
         deadline = time.monotonic() + wait_s
@@ -223,7 +227,7 @@ class DraftWorker:
         """Follow the online trainer's version store at `root`, a directory or a Redis source such as the
         constructor's `versions` (workers/engine/hot_swap.py): new versions
         are loaded and verified in the background and applied between steps. Returns the serving version."""
-        from workers.engine.hot_swap import DrafterSwapper
+        from specd.workers.engine.hot_swap import DrafterSwapper
 
         weights = self.drafter.weights_drafter
         if weights is None:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from workers.drafters.redis_versions import SourceUnavailable, version_source
-from workers.drafters.versions import VersionError, check_fits, load_version
+from specd.workers.drafters.redis_versions import SourceUnavailable, version_source
+from specd.workers.drafters.versions import VersionError, check_fits, load_version
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class DrafterSwapper:
     def __init__(self, root: str | Path | dict, target_dir: str | Path, model, serving_version: str,
                  poll_s: float = 2.0, cache_root: str | Path | None = None):
-        """model: the running drafter's workers.models.llama.Llama (tensors are checked against it).
+        """model: the running drafter's specd.workers.models.llama.Llama (tensors are checked against it).
         root: a store directory, or a Redis source (redis_versions.version_source) downloading into
         cache_root."""
         self.source = version_source(root, cache_root)
