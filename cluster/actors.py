@@ -29,12 +29,17 @@ _MIN_CPU = 0.01
 
 def ray_init_kwargs(cfg: SpecdConfig) -> dict[str, Any]:
     """Arguments of ray.init: connect to cfg.ray.address, or start a local cluster big enough for
-    every bundle plus the driver (Ray's CPUs are logical: the 2-core machine still fits 4)."""
+    every bundle plus the driver (Ray's CPUs are logical: the 2-core machine still fits 4).
+
+    Without an address, ray.init() would follow RAY_ADDRESS or the <tmp>/ray/ray_current_cluster file
+    that any earlier cluster on the machine left behind (even one stopped uncleanly) and then refuse
+    num_cpus; address="local" always starts our own. Joining a cluster is what ray.address is for."""
     kwargs: dict[str, Any] = {"namespace": cfg.ray.namespace, "include_dashboard": cfg.ray.include_dashboard}
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
         del kwargs["include_dashboard"]        # only meaningful when starting a cluster
     else:
+        kwargs["address"] = "local"
         needed = sum(b.get("CPU", 0.0) for b in placement_bundles(cfg)) + 1
         if cfg.replay.enabled and cfg.trainer.enabled:
             needed += cfg.trainer.num_cpus      # the online trainer's actor (cluster/trainer_actor.py)
@@ -164,10 +169,13 @@ def _default_classes() -> tuple[type, type]:
 
 
 def create_cluster(
-    cfg: SpecdConfig, model_dir: str, target_cls: type | None = None, drafter_cls: type | None = None
+    cfg: SpecdConfig, model_dir: str, target_cls: type | None = None, drafter_cls: type | None = None,
+    versions: dict | None = None,
 ) -> Cluster:
     """Reserve the placement group and start every actor (they load their models in the background;
-    the first call on a handle waits for its constructor)."""
+    the first call on a handle waits for its constructor). versions: where the DraftWorkers read the
+    serving drafter version (specd.cluster.online.versions_spec), so that a drafter on another node, or
+    restarted on one, never needs this machine's disk; None: drafter.path on their own node."""
     import ray
 
     if target_cls is None or drafter_cls is None:
@@ -185,8 +193,9 @@ def create_cluster(
         target = target_remote.options(**target_actor_options(cfg, pg, i, tag, gpus)).remote(
             cfg.target, target_seed, cfg.cache_dir
         )
+        extra = {"versions": versions} if versions is not None else {}
         drafter = drafter_remote.options(**drafter_actor_options(cfg, pg, i, tag, gpus)).remote(
-            cfg.drafter, cfg.spec, str(model_dir), drafter_seed, cfg.cache_dir
+            cfg.drafter, cfg.spec, str(model_dir), drafter_seed, cfg.cache_dir, **extra
         )
         replicas.append(ReplicaActors(i, target, drafter))
     return Cluster(pg, replicas)

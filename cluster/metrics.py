@@ -152,7 +152,9 @@ class SpecdMetrics(SchedulerObserver):
         if self._sum_drafted:
             self.acceptance_rate.set(self._sum_accepted / self._sum_drafted)
         self.mean_accepted_length.set(self._sum_emitted / self._steps)
-        if self._versions.get(replica) != version:
+        # Only a step that drafted says which version serves: a step the plan kept from drafting (γ 0, the
+        # guard, a suffix-only draft) carries no version, and once flipped the gauge to "none".
+        if draft.drafter_version and result.num_drafted > 0 and self._versions.get(replica) != version:
             old = self._versions.get(replica)
             if old is not None:
                 self.drafter_version.remove(str(replica), old)

@@ -23,7 +23,7 @@ class OnlineParts:
     recorder: Any = None
     trainer: Any = None            # Ray actor handle of specd.cluster.trainer_actor.TrainerActor
     drafters: list = field(default_factory=list)   # DrafterHandles of the DraftWorkers following the store
-    store: str | None = None
+    store: dict | str | None = None    # where DraftWorkers follow versions (versions_spec)
 
     def stop(self) -> None:
         """Best effort, in reverse order of start: nothing here may keep the server from exiting."""
@@ -40,23 +40,51 @@ class OnlineParts:
             self.managed_redis.stop()
 
 
-def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistry | None) -> OnlineParts:
-    """Start what config asks for; `drafters`: the replicas' DraftWorkers (Ray actor handles)."""
-    from specd.cluster.redact import redact_text
+def versions_spec(cfg, endpoint) -> dict:
+    """Where DraftWorkers and the trainer find published drafter versions: Redis, under a prefix beside
+    the replay stream (workers/drafters/redis_versions.py). A configured server's password stays in each
+    process's environment (replay.password_env: every pod has the Secret); a managed server's generated
+    one travels, as the trainer's endpoint does."""
+    redis = {"url": endpoint.url, "ssl_ca_certs": endpoint.ssl_ca_certs,
+             "ssl_certfile": endpoint.ssl_certfile, "ssl_keyfile": endpoint.ssl_keyfile}
+    if cfg.replay.redis_url:
+        redis["password_env"] = cfg.replay.password_env
+    else:
+        redis["password"] = endpoint.password
+    return {"redis": redis, "prefix": f"{cfg.replay.stream}:drafters"}
+
+
+def open_online_redis(cfg):
+    """(endpoint, managed server or None) when replay is on and Redis answers, else None; opened before
+    the workers start, so that the first-start drafter reaches them through it."""
     from specd.cluster.redis_server import open_redis
+
+    if not cfg.replay.enabled:
+        return None
+    try:
+        return open_redis(cfg.replay)
+    except (OSError, RuntimeError) as exc:
+        log.warning("online adaptation off: no Redis (%s)", exc)
+        return None
+
+
+def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistry | None,
+                 opened=None) -> OnlineParts:
+    """Start what config asks for; `drafters`: the replicas' DraftWorkers (Ray actor handles); opened:
+    open_online_redis's result when the caller opened Redis already."""
+    from specd.cluster.redact import redact_text
     from specd.cluster.replay import ReplayRecorder
     from specd.cluster.replay_writer import ReplayWriter
-    from specd.cluster.trainer_actor import start_trainer_actor, store_root
+    from specd.cluster.trainer_actor import start_trainer_actor
     from specd.workers.drafters.versions import target_checksum
 
     parts = OnlineParts()
     if not cfg.replay.enabled:
         return parts
-    try:
-        endpoint, parts.managed_redis = open_redis(cfg.replay)
-    except (OSError, RuntimeError) as exc:
-        log.warning("online adaptation off: no Redis (%s)", exc)
+    opened = opened or open_online_redis(cfg)
+    if opened is None:
         return parts
+    endpoint, parts.managed_redis = opened
     r = cfg.replay
     parts.writer = ReplayWriter(endpoint, r.stream, maxlen=r.maxlen, queue_size=r.queue_size,
                                 socket_timeout_s=r.socket_timeout_s, retry_s=r.retry_s, registry=registry)
@@ -72,7 +100,7 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
                     "suffix with drafter.suffix_with_model=true)", cfg.drafter.kind)
         return parts
     parts.trainer = start_trainer_actor(cfg, endpoint)
-    parts.store = str(store_root(cfg))
+    parts.store = versions_spec(cfg, endpoint)
     from specd.workers.engine.handles import DrafterHandle
 
     parts.drafters = [DrafterHandle(d, f"drafter-{i}") for i, d in enumerate(drafters)]
@@ -95,7 +123,15 @@ async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | 
         log.exception("online trainer failed to start; serving continues without it")
         parts.drafters = []
         return
-    log.info("online trainer up; drafters follow %s", parts.store)
+    log.info("online trainer up; drafters follow %s", _where(parts.store))
+
+
+def _where(store) -> str:
+    from specd.cluster.redact import redact_text
+
+    if isinstance(store, dict):
+        return f"redis {redact_text(store['redis']['url'])} {store['prefix']}"
+    return str(store)
 
 
 async def follow_again(parts: OnlineParts, replica: int, model_dir: str,

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specd.configs.schema import ServerConfig, SpecdConfig
@@ -53,6 +54,7 @@ class _Resources:
     scheduler: Any = None
     metrics_http: Any = None
     online: Any = None                  # specd.cluster.online.OnlineParts
+    online_redis: Any = None            # (endpoint, managed server or None) before `online` takes it
     tasks: list[asyncio.Task] = field(default_factory=list)
     grace_s: float = 10.0               # server.shutdown_grace_s
 
@@ -160,7 +162,8 @@ async def _bring_up(
     from specd.cluster.replay import ObserverFanout
 
     res.online = await asyncio.to_thread(start_online, cfg, str(model_dir),
-                                         [r.drafter for r in res.cluster.replicas], metrics.registry)
+                                         [r.drafter for r in res.cluster.replicas], metrics.registry,
+                                         res.online_redis)
     observer = ObserverFanout([metrics, res.online.recorder]) if res.online.recorder else metrics
     res.scheduler = Scheduler(
         [(r.target, r.drafter) for r in res.cluster.replicas],
@@ -221,12 +224,46 @@ async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
     await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
-    res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir))
+    versions = await asyncio.to_thread(_publish_first_version, cfg, res, str(model_dir))
+    res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir), versions=versions)
     await res.cluster.placement_group.ready()
     infos = await asyncio.gather(*[r.target.info.remote() for r in res.cluster.replicas])
     drafter_slots = await asyncio.gather(*[r.drafter.max_slots.remote() for r in res.cluster.replicas])
     capacity = [min(int(i["max_slots"]), int(d)) for i, d in zip(infos, drafter_slots, strict=True)]
     return model_dir, codec, infos, capacity
+
+
+def _publish_first_version(cfg: SpecdConfig, res: _Resources, model_dir: str) -> dict | None:
+    """Open Redis (when replay is on) and publish the drafter this router starts from as the serving
+    version there, unless one serves already; returns where DraftWorkers read versions (None: from
+    drafter.path, no online adaptation)."""
+    from specd.cluster.online import open_online_redis, versions_spec
+    from specd.drafter_trainer.version_channel import publish_first_version
+    from specd.workers.drafters.registry import drafter_class
+    from specd.workers.models.loader import default_cache_dir
+
+    res.online_redis = open_online_redis(cfg)
+    if res.online_redis is None or not drafter_class(cfg.drafter.kind).has_weights(cfg.drafter):
+        return None
+    import redis
+
+    from specd.drafter_trainer.drafter_format import DrafterFormatError
+    from specd.workers.drafters.model import resolve_drafter_dir
+    from specd.workers.drafters.versions import VersionError
+
+    hidden = bool(cfg.drafter.target_hidden) and cfg.target.backend == "torch"
+    endpoint = res.online_redis[0]
+    spec = versions_spec(cfg, endpoint)
+    redis_spec = {**spec["redis"], "password": endpoint.password}
+    store = Path(cfg.cache_dir or default_cache_dir()) / "drafters" / "router-published"
+    try:
+        drafter_dir = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, hidden)   # None: bootstrapped
+        publish_first_version(redis_spec, spec["prefix"], drafter_dir, model_dir, store)
+    except (OSError, DrafterFormatError, VersionError, redis.RedisError) as exc:
+        # a drafter without specd's metadata, or Redis refusing: drafters load drafter.path on their node
+        log.warning("first-start drafter not published to Redis (%s); DraftWorkers read drafter.path", exc)
+        return None
+    return spec
 
 
 async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:
@@ -253,8 +290,14 @@ async def _poll_worker_stats(scheduler, metrics, online=None, online_metrics=Non
             log.warning("worker stats poll failed", exc_info=True)
 
 
+def _managed_redis(res: _Resources):
+    if res.online is not None:
+        return res.online.managed_redis
+    return res.online_redis[1] if res.online_redis else None
+
+
 def _kill_children(res: _Resources) -> None:
-    redis = getattr(res.online, "managed_redis", None)
+    redis = _managed_redis(res)
     if redis is not None and redis.proc is not None:
         redis.proc.kill()
 
@@ -268,6 +311,8 @@ async def _shut_down(res: _Resources) -> None:
         await res.scheduler.stop()
     if res.online is not None:
         await asyncio.to_thread(res.online.stop)
+    elif _managed_redis(res) is not None:       # bring-up failed between opening Redis and start_online
+        await asyncio.to_thread(_managed_redis(res).stop)
     if res.metrics_http is not None:
         res.metrics_http.shutdown()
     if res.cluster is not None:

@@ -1,10 +1,10 @@
 """The online trainer as a Ray actor beside serving, or alone as `specd train`.
 
 `specd serve` starts `TrainerActor` (unless trainer.enabled=false) against the same Redis as the
-ReplayWriter; it publishes versions into the store DraftWorkers watch (trainer.out_dir). `specd train`
+ReplayWriter; it publishes versions into its own store (trainer.out_dir: its volume) and through Redis,
+where the DraftWorkers on every node follow them (drafter_trainer/version_channel.py). `specd train`
 runs the same loop in the foreground against a Redis URL (replay.redis_url, password from
-replay.password_env) until SIGINT/SIGTERM: on a separate machine it must share trainer.out_dir with
-the DraftWorkers (a shared volume).
+replay.password_env) until SIGINT/SIGTERM; it needs no volume shared with the DraftWorkers.
 """
 
 from __future__ import annotations
@@ -53,7 +53,12 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
 
     torch.set_num_threads(max(1, int(cfg.trainer.num_cpus)))
     target_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
-    base = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, cfg.drafter.target_hidden)
+    store = versions_store(cfg, endpoint, target_dir)
+    # The serving version from Redis when there is one: the drafter the router started from (version 0)
+    # sits on the router's disk, which a trainer on its own node cannot read.
+    base = None
+    if store.current() is None:
+        base = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, cfg.drafter.target_hidden)
     # No socket timeout: XREADGROUP blocks on purpose; a dead server still fails the call.
     client = endpoint.client(socket_timeout=None)
     source = ReplaySource(client, cfg.replay.stream, cfg.trainer.group, cfg.trainer.consumer)
@@ -61,7 +66,22 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
                             max_seq_len=cfg.target.max_seq_len,
                             dtype=trainer_dtype(str(cfg.trainer.dtype), str(cfg.trainer.device)))
     return OnlineTrainer(cfg.trainer, source, target_dir, base, store_root(cfg), teacher=teacher,
-                         seed=cfg.seed)
+                         seed=cfg.seed, store=store)
+
+
+def versions_store(cfg, endpoint: RedisEndpoint, target_dir):
+    """The trainer's own store (trainer.out_dir or its cache: its volume) mirrored to Redis, after
+    adopting the version Redis serves (drafter_trainer/version_channel.py)."""
+    from specd.cluster.online import versions_spec
+    from specd.drafter_trainer.version_channel import MirroredStore, RedisMirror
+    from specd.workers.drafters.versions import target_checksum
+
+    spec = versions_spec(cfg, endpoint)
+    spec["redis"]["password"] = endpoint.password
+    store = MirroredStore(store_root(cfg), RedisMirror(spec["redis"], spec["prefix"]),
+                          keep=cfg.trainer.keep_versions)
+    store.adopt(target_checksum(target_dir))
+    return store
 
 
 class TrainerActor:
@@ -83,6 +103,7 @@ class TrainerActor:
 
         while not self._stop.is_set():
             try:
+                self.trainer.store.sync_pending()
                 self.trainer.poll(block_ms=500)
             except redis.RedisError as exc:   # Redis away: serving goes on, the trainer waits for it
                 if self._error is None:

@@ -70,13 +70,15 @@ class TrainerStats:
 
 class OnlineTrainer:
     def __init__(self, cfg, source: ReplaySource, target_dir: str | Path, base_drafter_dir: str | Path,
-                 store_root: str | Path, *, teacher: TargetTeacher | None = None, seed: int = 0):
+                 store_root: str | Path, *, teacher: TargetTeacher | None = None, seed: int = 0,
+                 store: VersionStore | None = None):
         """cfg: specd.configs.schema.TrainerConfig. base_drafter_dir: the drafter serving starts from (a full
-        drafter directory); it becomes the store's first version when the store is empty."""
+        drafter directory); it becomes the store's first version when the store is empty (None: the store
+        must have one). store: a VersionStore at store_root to publish through (default: a plain one)."""
         self.cfg = cfg
         self.source = source
         self.target_dir = Path(target_dir)
-        self.store = VersionStore(store_root, keep=cfg.keep_versions)
+        self.store = store if store is not None else VersionStore(store_root, keep=cfg.keep_versions)
         self._known_versions: dict[str, bool] = {}     # recorded version -> published in the store
         self.target_checksum = target_checksum(self.target_dir)
         self.dtype = trainer_dtype(str(cfg.dtype), str(cfg.device))

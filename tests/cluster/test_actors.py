@@ -65,7 +65,7 @@ def test_gpu_shares_keep_configured_values_and_cpu_workers() -> None:
 
 def test_ray_init_starts_a_local_cluster_or_connects() -> None:
     local = actors.ray_init_kwargs(config(replicas=2))
-    assert local["num_cpus"] >= 5 and local["include_dashboard"] is False and "address" not in local
+    assert local["num_cpus"] >= 5 and local["include_dashboard"] is False and local["address"] == "local"
     remote = config()
     remote.ray.address = "ray://head:10001"
     kwargs = actors.ray_init_kwargs(remote)
@@ -131,3 +131,40 @@ def test_a_failed_local_ray_start_is_retried_once(monkeypatch) -> None:
     with pytest.raises(Exception, match="timed out"):
         actors.init_ray(remote)
     assert calls == ["init"]
+
+
+_STALE_SCRIPT = """
+import ray
+from specd.cluster import actors
+from specd.configs import load_config
+assert actors.init_ray(load_config(["ray.namespace=stale-test"])) is True
+print("NODES", len(ray.nodes()), ray.cluster_resources().get("CPU"))
+ray.shutdown()
+"""
+
+
+def test_local_start_ignores_a_stale_cluster_address_file(tmp_path) -> None:
+    """A <tmp>/ray/ray_current_cluster left by an earlier cluster (here: pointing at nothing) must not be
+    followed when no ray.address is configured: specd starts its own local cluster."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    pytest.importorskip("ray")
+    # A short private temp dir: Ray's socket paths live under it (108-byte limit), and the real
+    # /tmp/ray belongs to whoever else runs Ray on this machine.
+    tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    try:
+        os.makedirs(f"{tmp}/ray")
+        with open(f"{tmp}/ray/ray_current_cluster", "w") as f:
+            f.write("127.0.0.1:1\n")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_TMPDIR=tmp, PYTHONPATH=os.getcwd())
+        out = subprocess.run([sys.executable, "-c", _STALE_SCRIPT], env=env, capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "NODES 1" in out.stdout, out.stdout

@@ -32,6 +32,16 @@ def test_steps_feed_acceptance_position_and_gamma_series() -> None:
     assert value(m, "specd_drafter_version_info", {"replica": "0", "drafter_version": "v2"}) == 1
 
 
+def test_version_info_keeps_the_serving_version_through_steps_that_did_not_draft() -> None:
+    m = SpecdMetrics()
+    served = Draft("a", [5, 6], drafter_version="online-0002")
+    m.on_step(0, served, VerifyResult("a", 2, 2, [5, 6, 1], True), 2)
+    # the plan kept the next step from drafting: no draft tokens, no version
+    m.on_step(0, Draft("a", [], drafter_version=""), VerifyResult("a", 0, 0, [7], False), 0)
+    assert value(m, "specd_drafter_version_info", {"replica": "0", "drafter_version": "online-0002"}) == 1
+    assert value(m, "specd_drafter_version_info", {"replica": "0", "drafter_version": "none"}) is None
+
+
 def test_requests_queue_and_workers() -> None:
     m = SpecdMetrics()
     m.on_queue(waiting=3, running=2)

@@ -86,3 +86,53 @@ def test_flavors_match_the_chart(parsed) -> None:
     runs = " ".join(ins["value"] for ins in parsed.structure if ins["instruction"] == "RUN")
     for flavor in flavors:
         assert f"{flavor})" in runs, f"the Dockerfile does not build FLAVOR={flavor}"
+
+
+def _build_stage(parsed) -> list[dict]:
+    structure = parsed.structure
+    last_from = max(i for i, ins in enumerate(structure) if ins["instruction"] == "FROM")
+    return structure[:last_from]
+
+
+def test_ray_is_pinned_to_the_charts_ray_version(parsed) -> None:
+    import yaml
+
+    chart = yaml.safe_load((ROOT / "helm" / "specd" / "values.yaml").read_text())
+    args = dict(a["value"].split("=", 1) for a in parsed.structure
+                if a["instruction"] == "ARG" and "=" in a["value"])
+    assert args["RAY_VERSION"] == chart["rayVersion"]
+    runs = " ".join(ins["value"] for ins in parsed.structure if ins["instruction"] == "RUN")
+    assert '"ray[default]==${RAY_VERSION}"' in runs
+
+
+def test_dependencies_install_before_any_code_is_copied(parsed) -> None:
+    stage = _build_stage(parsed)
+    dep_install = next(i for i, ins in enumerate(stage)
+                       if ins["instruction"] == "RUN" and "-r /tmp/requirements.txt" in ins["value"])
+    copies = [(i, ins["value"].split()[0]) for i, ins in enumerate(stage) if ins["instruction"] == "COPY"]
+    assert [src for i, src in copies if i < dep_install] == ["pyproject.toml"]
+    installs_after = [ins["value"] for ins in stage[dep_install + 1:] if ins["instruction"] == "RUN"]
+    assert all("-r " not in v and "torch==" not in v for v in installs_after)
+    assert any("--no-deps ." in v for v in installs_after)     # the code itself: no dependency resolution
+
+
+def test_first_start_needs_nothing_the_image_lacks(parsed) -> None:
+    """The chart's model and drafter paths are what the image builds; the data the quick drafter reads
+    is in it; the default command is not an open server."""
+    import yaml
+
+    chart = yaml.safe_load((ROOT / "helm" / "specd" / "values.yaml").read_text())
+    runs = " ".join(ins["value"] for ins in _build_stage(parsed) if ins["instruction"] == "RUN")
+    assert chart["model"]["path"] in runs and "ensure_target_model" in runs
+    assert chart["model"]["drafterPath"] == "/opt/specd/drafters/boot-quick-hidden"
+    assert "hidden_out_dir='/opt/specd/drafters/boot-quick-hidden'" in runs and "bootstrap_drafter" in runs
+    copies = [ins["value"].split() for ins in parsed.structure if ins["instruction"] == "COPY"]
+    assert ["data", "/opt/specd/data"] in copies
+    envs = " ".join(ins["value"] for ins in final_stage(parsed) if ins["instruction"] == "ENV")
+    assert "SPECD_DATA_DIR=/opt/specd/data" in envs
+    from specd.workers.prompts import _FILES, GENERAL_SOURCES
+
+    for source in GENERAL_SOURCES:          # what BootstrapConfig.quick reads, under data/
+        assert (ROOT / "data" / _FILES[source]).is_file()
+    cmd = json.loads(parsed.cmd)
+    assert "server.host=0.0.0.0" in cmd and any(a.startswith("server.auth_token_file=") for a in cmd)

@@ -191,7 +191,10 @@ def test_router_service_probes_and_secrets_are_wired(rendered) -> None:
         assert str(router[probe]["grpc"]["port"]) == cfg_lines["server.health_port"]
     assert router["command"][:2] == ["specd", "serve"]
     mounts = {m["mountPath"] for m in router["volumeMounts"]}
-    assert router["command"][-1] in mounts
+    # the overrides file is in a mounted directory (no subPath: the kubelet updates it in place)
+    config_mount = next(m for m in router["volumeMounts"] if m["name"] == "config")
+    assert "subPath" not in config_mount
+    assert Path(router["command"][-1]).parent == Path(config_mount["mountPath"])
     auth = values.get("auth", {})
     admin_on = auth.get("enabled", True) and auth.get("admin", {}).get("enabled", True)
     assert ("server.admin_token_file" in cfg_lines) == admin_on
@@ -227,7 +230,9 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
     limits = groups["target"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits.get("nvidia.com/gpu", 0) == target_gpus
     cfg_lines = overrides_of(docs)
-    advertised = json.loads(groups["target"]["rayStartParams"]["resources"])
+    for group in groups.values():    # custom resources through the CRD field, never the shell line
+        assert "resources" not in group["rayStartParams"]
+    advertised = {k: float(v) for k, v in groups["target"]["resources"].items()}
     asked = sum(1 for line in cfg_lines if line.startswith(("+target.resources.specd_target",
                                                               "+drafter.resources.specd_target")))
     assert advertised["specd_target"] == asked     # a shared pod fits its target and its drafter
@@ -250,8 +255,15 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
         "key", "redis-password")
     assert cfg.trainer.enabled == ("trainer" in groups)
     if "trainer" in groups:      # the trainer actor asks for what only the trainer pods advertise
-        advertised = json.loads(groups["trainer"]["rayStartParams"]["resources"])
+        advertised = groups["trainer"]["resources"]
         assert cfg.trainer.resources == {k: float(v) for k, v in advertised.items()}
+        gpus = values.get("trainer", {}).get("gpus", 1)
+        assert cfg.trainer.num_gpus == gpus and cfg.trainer.device == ("cuda" if gpus else "cpu")
+    # a shared target pod's GPUs hold its target and drafter actors together
+    pod_gpus = limits.get("nvidia.com/gpu", 0)
+    if shared:
+        assert cfg.target.num_gpus + cfg.drafter.num_gpus <= max(pod_gpus, 0) or pod_gpus == 0
+        assert pod_gpus == 0 or cfg.drafter.num_gpus > 0
 
 
 @pytest.mark.parametrize("bad", [
@@ -260,7 +272,87 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
     {"redis": {"enabled": False}},             # no external URL either
     {"config": {"Spec Gamma": 3}},
     {"unknownTopLevel": 1},
+    {"draft": {"shareTargetGPUs": True, "gpuFraction": 1.0}},   # 1 + 1 GPUs asked of a 1-GPU pod
+    {"rayVersion": "2.40.0"},                  # KubeRay's probes would exec wget
+    {"target": {"rayStartParams": {"resources": '{"x": 1}'}}},   # split by bash -c
+    {"podSecurityContext": {"runAsNonRoot": False, "seccompProfile": {"type": "RuntimeDefault"}}},
 ])
 def test_values_schema_rejects_bad_values(bad) -> None:
     with pytest.raises(helm_python.HelmError):
         render(bad)
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """Every pod template of the release by component: the RayCluster's groups and Redis."""
+    ray = by_kind(docs, "RayCluster")[0]["spec"]
+    pods = {"head": ray["headGroupSpec"]["template"]["spec"]}
+    pods.update({g["groupName"]: g["template"]["spec"] for g in ray["workerGroupSpecs"]})
+    for redis in by_kind(docs, "StatefulSet"):
+        pods["redis"] = redis["spec"]["template"]["spec"]
+    return pods
+
+
+def test_every_pod_is_restricted_and_pulls_with_the_secrets(rendered) -> None:
+    name, values, docs = rendered
+    for component, pod in pod_specs(docs).items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, component
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", component
+        assert pod["automountServiceAccountToken"] is False and pod["serviceAccountName"], component
+        assert pod.get("imagePullSecrets", []) == values.get("imagePullSecrets", []), component
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True, c["name"]
+    assert {d["kind"] for d in docs} >= {"ServiceAccount", "PodDisruptionBudget", "NetworkPolicy"}
+
+
+def test_network_policy_lets_only_the_router_ports_in_from_outside() -> None:
+    docs = render({})
+    policies = {d["metadata"]["name"]: d["spec"] for d in by_kind(docs, "NetworkPolicy")}
+    internal, router = policies["rel-specd-internal"], policies["rel-specd-router"]
+    # every pod: ingress only from the release's own pods
+    assert internal["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "specd",
+                                                      "app.kubernetes.io/instance": "rel"}
+    assert [list(rule) for rule in internal["ingress"]] == [["from"]]
+    peer = internal["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    assert peer["app.kubernetes.io/instance"] == "rel"
+    # from anywhere: the head's gRPC and metrics ports, and no other
+    assert sorted(p["port"] for rule in router["ingress"] for p in rule["ports"]) == [9464, 50051]
+    head = by_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["include-dashboard"] == "false"
+    ports = {p["containerPort"] for c in head["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    assert 8265 not in ports and 10001 not in ports
+
+
+def test_config_changes_roll_out_and_gcs_fault_tolerance(raycluster_validator) -> None:
+    a, b = render({}), render({"config": {"spec.gamma": 4}})
+    ray_a, ray_b = by_kind(a, "RayCluster")[0]["spec"], by_kind(b, "RayCluster")[0]["spec"]
+    assert ray_a["upgradeStrategy"]["type"] == "Recreate"
+    checksum = [g["template"]["metadata"]["annotations"]["checksum/config"]
+                for g in [ray_a["headGroupSpec"], ray_b["headGroupSpec"]]]
+    assert checksum[0] != checksum[1]
+    ft = by_kind(render({"gcsFaultTolerance": {"enabled": True}}), "RayCluster")[0]
+    assert not list(raycluster_validator.iter_errors(ft))
+    opts = ft["spec"]["gcsFaultToleranceOptions"]
+    assert opts["redisAddress"] == "rel-specd-redis.specd.svc:6379"
+    assert opts["redisPassword"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+
+
+def test_grafana_dashboard_shows_the_serving_series() -> None:
+    cm = next(d for d in by_kind(render({}), "ConfigMap") if d["metadata"]["name"].endswith("-dashboard"))
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    exprs = " ".join(t["expr"] for p in json.loads(cm["data"]["specd.json"])["panels"] for t in p["targets"])
+    for series in ("specd_generated_tokens_total", "specd_time_to_first_token_seconds_bucket",
+                   "specd_request_latency_seconds_sum", "specd_accepted_tokens_total",
+                   "specd_drafter_version_info", "specd_drafter_swaps", "specd_trainer_rollbacks"):
+        assert series in exprs, series
+    from specd.cluster.metrics import SpecdMetrics
+    from specd.cluster.online import OnlineMetrics
+
+    metrics = SpecdMetrics()
+    OnlineMetrics(metrics.registry)
+    known = {s.name for m in metrics.registry.collect() for s in m.samples} | {
+        m.name for m in metrics.registry.collect()}
+    for series in ("specd_drafter_swaps", "specd_trainer_rollbacks", "specd_drafter_version_info"):
+        assert series in known, series

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from specd.workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
 from specd.workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
@@ -76,9 +77,17 @@ class PositionCounts:
 
 
 class DraftWorker:
-    def __init__(self, cfg, spec, target_model_dir: str, seed: int = 0, cache_dir: str | None = None):
+    def __init__(self, cfg, spec, target_model_dir: str, seed: int = 0, cache_dir: str | None = None,
+                 versions: dict | None = None):
+        """versions: where published drafter versions live when they are not on this machine's disk
+        ({"redis": endpoint fields, "prefix": key prefix}; workers/drafters/redis_versions.py). The
+        worker then starts from the version serving names there (version 0 is the router's first-start
+        drafter), wherever it runs, and follows it; None: cfg.path, as configured."""
         resolve_device(cfg.device)
         keep_freed_memory(getattr(cfg, "keep_freed_memory", True))
+        self._versions, self._cache_dir = versions, cache_dir
+        if versions is not None and drafter_class(cfg.kind).has_weights(cfg):
+            cfg = replace(cfg, path=str(self._serving_drafter_dir(cfg, target_model_dir)))
         self.drafter = drafter_class(cfg.kind).from_config(
             cfg, target_model_dir=str(target_model_dir), cache_dir=cache_dir, seed=seed
         )
@@ -179,12 +188,44 @@ class DraftWorker:
             if self.requests.pop(rid, None) is not None:
                 self.drafter.remove_request(rid)
 
+    def _versions_root(self) -> Path:
+        from specd.workers.models.loader import default_cache_dir
+
+        return Path(self._cache_dir or default_cache_dir()) / "drafters" / "served"
+
+    def _serving_drafter_dir(self, cfg, target_model_dir: str, wait_s: float = 60.0) -> Path:
+        """The serving version from the version source, as a drafter directory in this process's own
+        cache; the configured cfg.path only when the source has none and that path exists here."""
+        from specd.workers.drafters.redis_versions import (
+            SourceUnavailable,
+            materialize_drafter,
+            version_source,
+        )
+
+        source = version_source(self._versions, self._versions_root())
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                version = source.current()
+                if version is not None:
+                    full = self._versions_root() / "full" / version
+                    return materialize_drafter(source.version_dir(version), target_model_dir, full)
+                break
+            except SourceUnavailable:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
+        if cfg.path and Path(cfg.path, "config.json").is_file():
+            return Path(cfg.path)
+        raise RuntimeError(f"no serving drafter version at {source} and no drafter at {cfg.path!r} here")
+
     def load_drafter(self, path: str) -> str:
         """Hot swap: same shapes, new weights; the next proposal uses them."""
         return self.drafter.load(path)
 
-    def watch_versions(self, root: str, target_model_dir: str, poll_s: float = 2.0) -> str:
-        """Follow the online trainer's version store at `root` (workers/engine/hot_swap.py): new versions
+    def watch_versions(self, root: str | dict, target_model_dir: str, poll_s: float = 2.0) -> str:
+        """Follow the online trainer's version store at `root`, a directory or a Redis source such as the
+        constructor's `versions` (workers/engine/hot_swap.py): new versions
         are loaded and verified in the background and applied between steps. Returns the serving version."""
         from specd.workers.engine.hot_swap import DrafterSwapper
 
@@ -193,7 +234,8 @@ class DraftWorker:
             raise ValueError(f"drafter kind {type(self.drafter).__name__} has no weights to swap")
         if self._swapper is None:
             model = weights.runner.model
-            self._swapper = DrafterSwapper(root, target_model_dir, model, weights.version, poll_s).start()
+            self._swapper = DrafterSwapper(root, target_model_dir, model, weights.version, poll_s,
+                                           cache_root=self._versions_root()).start()
         return weights.version
 
     def pin_version(self, version: str | None) -> str:

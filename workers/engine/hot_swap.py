@@ -1,6 +1,8 @@
 """Hot-swapping a DraftWorker's drafter to new published versions, between steps.
 
-A background thread watches the version store's CURRENT pointer (workers/drafters/versions.py).
+A background thread watches the version store's CURRENT pointer (workers/drafters/versions.py): a
+directory, or Redis (workers/drafters/redis_versions.py), whose versions it downloads into a store
+directory of its own process first.
 When it names a version other than the serving one, the thread reads it, verifies it (sha256 of the
 weights, the serving target's checksum, every tensor's name and shape against the running drafter)
 and parks the tensors. The DraftWorker takes them at the start of its next call (`take()`), so a
@@ -17,16 +19,19 @@ from pathlib import Path
 
 import torch
 
-from specd.workers.drafters.versions import VersionError, check_fits, load_version, read_current, version_dir
+from specd.workers.drafters.redis_versions import SourceUnavailable, version_source
+from specd.workers.drafters.versions import VersionError, check_fits, load_version
 
 log = logging.getLogger(__name__)
 
 
 class DrafterSwapper:
-    def __init__(self, root: str | Path, target_dir: str | Path, model, serving_version: str,
-                 poll_s: float = 2.0):
-        """model: the running drafter's specd.workers.models.llama.Llama (tensors are checked against it)."""
-        self.root = Path(root)
+    def __init__(self, root: str | Path | dict, target_dir: str | Path, model, serving_version: str,
+                 poll_s: float = 2.0, cache_root: str | Path | None = None):
+        """model: the running drafter's specd.workers.models.llama.Llama (tensors are checked against it).
+        root: a store directory, or a Redis source (redis_versions.version_source) downloading into
+        cache_root."""
+        self.source = version_source(root, cache_root)
         self.target_dir = Path(target_dir)
         self.model = model
         self.serving = serving_version
@@ -55,7 +60,7 @@ class DrafterSwapper:
     def check(self) -> str | None:
         """Look at CURRENT once; returns the version made ready, if any (the thread calls this)."""
         try:
-            wanted = self.pin or read_current(self.root)
+            wanted = self.pin or self.source.current()
         except OSError:
             return None
         with self._lock:
@@ -63,8 +68,10 @@ class DrafterSwapper:
         if not wanted or wanted in (self.serving, parked) or wanted in self.rejected:
             return None
         try:
-            tensors, _ = load_version(version_dir(self.root, wanted), self.target_dir)
+            tensors, _ = load_version(self.source.version_dir(wanted), self.target_dir)
             check_fits(self.model, tensors)
+        except SourceUnavailable:      # Redis away while downloading: not the version's fault, next poll
+            return None
         except (VersionError, OSError, ValueError, KeyError) as exc:
             self.rejected[wanted] = str(exc)
             log.warning("drafter version %s rejected, %s stays: %s", wanted, self.serving, exc)

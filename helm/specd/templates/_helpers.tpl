@@ -67,6 +67,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* host:port of the Redis the GCS keeps its state in (gcsFaultTolerance). */}}
+{{- define "specd.redisAddress" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "%s.%s.svc:6379" (include "specd.redisName" .) .Release.Namespace }}
+{{- else }}
+{{- regexReplaceAll "^rediss?://([^/]*@)?([^/]+).*$" .Values.redis.externalUrl "${2}" }}
+{{- end }}
+{{- end }}
+
 {{/* Kubernetes resources of a pod group from {cpu, memory, gpus}. */}}
 {{- define "specd.resources" -}}
 requests:
@@ -83,26 +92,104 @@ limits:
   {{- end }}
 {{- end }}
 
-{{/* A Ray worker container: joins the head; Ray reads rayStartParams from the group spec. */}}
+{{- define "specd.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- .Values.serviceAccount.name | default (include "specd.fullname" .) }}
+{{- else }}
+{{- .Values.serviceAccount.name | default "default" }}
+{{- end }}
+{{- end }}
+
+{{/* Ray GPUs of the target actor: with shared GPUs the drafter's fraction comes out of the target's. */}}
+{{- define "specd.targetActorGpus" -}}
+{{- if and .Values.draft.shareTargetGPUs (gt (int .Values.target.gpus) 0) }}
+{{- subf (float64 .Values.target.gpus) (float64 .Values.draft.gpuFraction) }}
+{{- else }}
+{{- .Values.target.gpus }}
+{{- end }}
+{{- end }}
+
+{{- define "specd.drafterActorGpus" -}}
+{{- if .Values.draft.shareTargetGPUs }}
+{{- ternary .Values.draft.gpuFraction 0 (gt (int .Values.target.gpus) 0) }}
+{{- else }}
+{{- .Values.draft.gpus }}
+{{- end }}
+{{- end }}
+
+{{/* What every pod of the release has: service account, pull secrets, the restricted pod context. */}}
+{{- define "specd.podCommon" -}}
+serviceAccountName: {{ include "specd.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* The restricted securityContext of every container (Pod Security "restricted"). */}}
+{{- define "specd.containerSecurity" -}}
+securityContext:
+  runAsNonRoot: true
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities:
+    drop: ["ALL"]
+  seccompProfile:
+    type: RuntimeDefault
+{{- end }}
+
+{{/* Writable places of a specd container on a read-only root: /tmp (Ray's sockets and logs; shared by
+the head's two containers), $HOME and the cache (drafters downloaded from Redis, the first-start one). */}}
+{{- define "specd.writableMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/specd
+- name: cache
+  mountPath: /var/cache/specd
+{{- end }}
+
+{{- define "specd.writableVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+{{- end }}
+
+{{- define "specd.commonEnv" -}}
+- name: HOME
+  value: /home/specd
+- name: SPECD_CACHE
+  value: /var/cache/specd
+- name: SPECD_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "specd.redisSecret" . }}
+      key: {{ .Values.redis.password.key }}
+      optional: true
+{{- end }}
+
+{{/* A Ray worker container: KubeRay writes its `ray start` from the group's rayStartParams. */}}
 {{- define "specd.rayContainer" -}}
 - name: ray-worker
   image: {{ include "specd.image" .root }}
   imagePullPolicy: {{ .root.Values.image.pullPolicy }}
   resources:
     {{- include "specd.resources" .group | nindent 4 }}
-  securityContext:
-    runAsNonRoot: true
-    allowPrivilegeEscalation: false
+  {{- include "specd.containerSecurity" . | nindent 2 }}
   env:
-    - name: SPECD_REDIS_PASSWORD
-      valueFrom:
-        secretKeyRef:
-          name: {{ include "specd.redisSecret" .root }}
-          key: {{ .root.Values.redis.password.key }}
-          optional: true
+    {{- include "specd.commonEnv" .root | nindent 4 }}
   volumeMounts:
-    - name: ray-logs
-      mountPath: /tmp/ray
+    {{- include "specd.writableMounts" . | nindent 4 }}
+    {{- if .trainer }}
+    - name: trainer-store
+      mountPath: /var/lib/specd/trainer
+    {{- end }}
 {{- end }}
 
 {{/* Pod placement of a group. */}}
@@ -113,6 +200,14 @@ nodeSelector:
 {{- end }}
 {{- with .tolerations }}
 tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
