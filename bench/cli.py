@@ -17,6 +17,7 @@ BENCHMARKS = {
     "engine": ("bench.engine", "engine benchmark (no server): specd vs target-only, transformers and vLLM"),
     "serve": ("bench.serve", "load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead"),
     "osd": ("bench.osd", "online distillation: acceptance over a shifting stream"),
+    "overhead": ("bench.overhead", "host time of a step, free forwards: planning, bookkeeping, verify"),
     "soak": ("bench.soak", "long run: N streaming clients for D minutes, errors, RSS of every process, TPOT"),
 }
 
