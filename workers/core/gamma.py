@@ -98,6 +98,8 @@ class GammaPolicy(ABC):
     """
 
     name: ClassVar[str] = ""
+    # keep_drafting reads the drafter's distribution q_row (else the drafter need not compute it)
+    reads_draft_probs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -200,6 +202,7 @@ class EntropyGamma(GammaPolicy):
     """
 
     name = "egag"
+    reads_draft_probs = True
 
     def __init__(
         self,
@@ -245,6 +248,7 @@ class ConfidenceGamma(GammaPolicy):
     """
 
     name = "confidence"
+    reads_draft_probs = True
 
     def __init__(self, threshold: float = 0.4, **kwargs):
         super().__init__(**kwargs)
