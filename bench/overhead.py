@@ -11,8 +11,10 @@ Systems: target-only (speculation off), chain (model drafter, γ = 3 fixed), tre
 each batch size, in-process (SpecEngine, the engine the benchmarks drive) and through the router's
 scheduler with Ray actors (cluster/scheduler.Scheduler over cluster/actors.create_cluster; no gRPC).
 Every cell runs `--steps` timed steps after `--warmup`, and reports medians: the step's host
-milliseconds and its phases (propose: the drafter's call with the plan; verify: the target's call;
-rest: the step's own work, Sequence.apply and streaming). The stand-ins accept every greedy draft, so
+milliseconds (in-process: the process's CPU time, robust to a loaded machine, with the wall time beside
+it; through the router: wall time, the round trips included) and its phases (propose: the drafter's
+call with the plan; verify: the target's call; rest: the step's own work, Sequence.apply and
+streaming). The stand-ins accept every greedy draft, so
 a speculative step does the most bookkeeping it can.
 
     specd bench overhead --json bench/results/overhead.json --plot bench/results/overhead.png
@@ -83,7 +85,7 @@ def median_ms(values: list[float]) -> float:
 
 
 class PhaseTimer:
-    """Seconds per phase of the current step, from wrapped worker methods (in-process)."""
+    """CPU seconds per phase of the current step, from wrapped worker methods (in-process)."""
 
     def __init__(self) -> None:
         self.current: dict[str, float] = {}
@@ -92,18 +94,20 @@ class PhaseTimer:
         call = getattr(obj, name)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return call(*args, **kwargs)
             finally:
-                self.current[phase] = self.current.get(phase, 0.0) + time.perf_counter() - t0
+                self.current[phase] = self.current.get(phase, 0.0) + time.process_time() - t0
 
         setattr(obj, name, timed)
 
 
 def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: int, warmup: int,
                    profile_dir: Path | None, salt: int) -> dict[str, Any]:
-    """Median host time of `steps` steps of `batch` requests on one SpecEngine."""
+    """Median host time of `steps` steps of `batch` requests on one SpecEngine: the process's CPU time
+    (nothing waits with free forwards, so that is the host work, and unlike wall time it does not grow
+    with what else runs on a shared machine), and its wall time beside it."""
     from workers.core.sampling import SamplingParams
     from workers.engine.handles import run_sync
     from workers.engine.spec_engine import SpecEngine
@@ -130,6 +134,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
     run = engine.batch(reqs, ignore_eos=True, on_step=stream)
     run.advance()                               # admission (prefills) and the first step: not timed
     totals: list[float] = []
+    walls: list[float] = []
     phases: dict[str, list[float]] = {"propose": [], "verify": [], "rest": []}
     tokens = 0
     profiler = cProfile.Profile() if profile_dir is not None else None
@@ -139,9 +144,9 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
             before = streamed[0]
             if profiler is not None and i >= warmup:
                 profiler.enable()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run.advance()
-            took = time.perf_counter() - t0
+            took, wall = time.process_time() - c0, time.perf_counter() - t0
             if profiler is not None:
                 profiler.disable()
             if i < warmup:
@@ -149,6 +154,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
             if run.done:
                 raise RuntimeError("a request finished during timing: fewer --steps")
             totals.append(took)
+            walls.append(wall)
             tokens += streamed[0] - before
             propose, verify = timer.current.get("propose", 0.0), timer.current.get("verify", 0.0)
             phases["propose"].append(propose)
@@ -163,6 +169,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
         profile_dir.mkdir(parents=True, exist_ok=True)
         profiler.dump_stats(str(profile_dir / f"{system}-b{batch}.pstats"))
     return {"system": system, "batch": batch, "where": "in-process", "host_ms_per_step": median_ms(totals),
+            "wall_ms_per_step": median_ms(walls), "clock": "process CPU time",
             "phases_ms": {k: median_ms(v) for k, v in phases.items()}, "steps": len(totals),
             "tokens_per_step": round(tokens / max(len(totals), 1), 3)}
 

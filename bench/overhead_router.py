@@ -96,7 +96,7 @@ async def _cell(cluster, cfg, system: str, batch: int, steps: int, warmup: int, 
     timed = clock.steps[warmup:warmup + steps]
     return {
         "system": system, "batch": batch, "where": "router",
-        "host_ms_per_step": median_ms([s[0] for s in timed]),
+        "host_ms_per_step": median_ms([s[0] for s in timed]), "clock": "wall time",
         "phases_ms": {"propose": median_ms([s[1] for s in timed]), "verify": median_ms([s[2] for s in timed]),
                       "rest": median_ms([s[0] - s[1] - s[2] for s in timed])},
         "steps": len(timed), "tokens_per_step": round(sum(s[3] for s in timed) / max(len(timed), 1), 3),
