@@ -45,6 +45,10 @@ import torch
 
 from workers.core.goodput import Acceptance, CostProfile, GoodputController, Plan, Slot, StepCostModel
 
+# Per-token acceptance assumed for a drafter with no record of its own (no training record, no measured
+# steps): the one prior every policy, the worker's per-position counts and the suffix drafter start from.
+ACCEPTANCE_PRIOR = 0.6
+
 
 @dataclass
 class GammaState:
@@ -303,7 +307,7 @@ class AdaptiveGamma(GammaPolicy):
         draft_cost_ratio: float = 0.1,
         verify_cost: Callable[[int], float] | Sequence[float] | None = None,
         verify_slope: float = 0.07,
-        acceptance_prior: float = 0.6,
+        acceptance_prior: float = ACCEPTANCE_PRIOR,
         max_tree_nodes: int | None = None,
         **kwargs,
     ) -> None:
@@ -375,7 +379,7 @@ class GoodputGamma(GammaPolicy):
         gamma_max: int = 8,
         controller: GoodputController | None = None,
         position_prior: Sequence[float] | None = None,
-        acceptance_prior: float = 0.6,
+        acceptance_prior: float = ACCEPTANCE_PRIOR,
         **kwargs,
     ) -> None:
         super().__init__(

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.core.gamma import ACCEPTANCE_PRIOR
 from workers.drafters.base import SCRATCH_PREFIX, Drafter, DraftHint, DraftProposal, DraftTree, check_batch
 from workers.drafters.registry import register_drafter
 from workers.drafters.suffix_index import ContextIndex, SuffixDraft, SuffixIndex
@@ -67,7 +68,7 @@ class PositionAcceptance:
             self.hits[b][k] += k < accepted
 
 
-MODEL_PRIOR = 0.6   # a model's per-token acceptance assumed where its drafter carries no record
+MODEL_PRIOR = ACCEPTANCE_PRIOR   # a model's per-token acceptance assumed where its drafter carries no record
 
 
 @dataclass

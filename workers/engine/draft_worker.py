@@ -18,7 +18,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
+from workers.core.gamma import (
+    ACCEPTANCE_PRIOR,
+    PRIOR_PROFILE,
+    GammaPolicy,
+    GammaState,
+    GoodputGamma,
+    build_gamma_policy,
+)
 from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
 from workers.drafters.registry import drafter_class
 from workers.engine.gc_freeze import freeze_loaded_objects
@@ -52,14 +59,14 @@ def build_policy(name: str, spec_cfg, gamma: int, tree_width: int, **goodput) ->
     return build_gamma_policy(name, **common, **extra.get(name, {}))
 
 
-DEFAULT_PRIOR = 0.6   # acceptance per position assumed for a drafter with no training record
+DEFAULT_PRIOR = ACCEPTANCE_PRIOR   # acceptance per position assumed for a drafter with no training record
 
 
 class PositionCounts:
     """Drafted and accepted counts per draft position over every step of a worker: the drafter's measured
     acceptance per position, which seeds new requests' estimates (prior pseudo-counts until data comes)."""
 
-    def __init__(self, depth: int = 16, prior: float = 0.6, pseudo: float = 4.0) -> None:
+    def __init__(self, depth: int = 16, prior: float = ACCEPTANCE_PRIOR, pseudo: float = 4.0) -> None:
         self.drafted = [0] * depth
         self.accepted = [0] * depth
         self.prior, self.pseudo = prior, pseudo

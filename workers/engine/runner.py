@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from workers.core.kv_cache import CacheFullError, KVCache
 from workers.engine.static_decode import StaticDecoder
@@ -273,16 +274,19 @@ class ModelRunner:
     def _feature_inputs(self, features, staleness, counts, n):
         """Right-padded [b, n, hidden] features and [b, n] staleness (0 = fresh) on the device."""
         width = self.model.cfg.hidden_size
-        # Assembled where the features arrive (the CPU, from another worker), then moved once.
-        host = features[0].device
-        feats = torch.zeros(len(counts), n, width, dtype=self.model.embed_tokens.dtype, device=host)
-        stale = torch.zeros(len(counts), n, dtype=torch.long, device=host)
         for i, c in enumerate(counts):
             if features[i].shape != (c, width):
                 raise ValueError(f"row {i}: features {tuple(features[i].shape)} != ({c}, {width})")
-            feats[i, :c] = features[i]
-            if staleness is not None:
-                stale[i, :c] = torch.as_tensor(staleness[i], dtype=torch.long, device=host)
+        # Assembled where the features arrive (the CPU, from another worker) in one padding copy, then
+        # moved once.
+        dtype = self.model.embed_tokens.dtype
+        feats = pad_sequence([f.to(dtype) for f in features], batch_first=True)      # [b, max(counts), H]
+        if feats.shape[1] < n:
+            feats = torch.nn.functional.pad(feats, (0, 0, 0, n - feats.shape[1]))
+        if staleness is None:
+            stale = torch.zeros(len(counts), n, dtype=torch.long)
+        else:
+            stale = torch.tensor([_as_list(s) + [0] * (n - len(s)) for s in staleness], dtype=torch.long)
         return feats.to(self.device), stale.to(self.device)
 
     @torch.inference_mode()
