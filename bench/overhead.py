@@ -197,7 +197,8 @@ def load_average() -> list[float]:
 
 
 def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_dir: Path | None,
-              steps: int) -> list[dict[str, Any]]:
+              steps: int, rows: list[dict[str, Any]]) -> None:
+    """Every cell of one kind of forwards, appended to `rows` as it is measured."""
     from configs import load_config
 
     max_batch = max(args.batch_sizes)
@@ -206,7 +207,6 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
         from cluster.first_start import ensure_serving_drafter
 
         ensure_serving_drafter(cfg, str(target_dir))
-    rows = []
     forwards = "free" if free else "real"
     if "in-process" in args.where:
         target, drafters = build_in_process(cfg, free)
@@ -224,7 +224,6 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
                                     args.pipeline_groups):
             rows.append({**row, "forwards": forwards, "load_average": load_average()})
             print(_line(rows[-1]), flush=True)
-    return rows
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -277,21 +276,31 @@ def run_bench(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average_start": load_average(),
         "note": "medians over steps; forwards free (stand-ins answer at once) unless forwards=real",
     }
-    with tempfile.TemporaryDirectory(prefix="specd-overhead-") as tmp:
-        target_dir, drafter_dir = write_stand_ins(Path(tmp), MAX_SEQ_LEN)
-        rows = run_cells(args, True, target_dir, drafter_dir, args.steps)
-    if args.real:
-        from workers.models.loader import ensure_target_model
+    rows: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="specd-overhead-") as tmp:
+            target_dir, drafter_dir = write_stand_ins(Path(tmp), MAX_SEQ_LEN)
+            run_cells(args, True, target_dir, drafter_dir, args.steps, rows)
+        if args.real:
+            from workers.models.loader import ensure_target_model
 
-        rows += run_cells(args, False, Path(ensure_target_model()), None, args.real_steps)
-    meta["load_average_end"] = load_average()
+            run_cells(args, False, Path(ensure_target_model()), None, args.real_steps, rows)
+    finally:
+        # what was measured is kept when a later cell fails (a Ray start on an overloaded machine)
+        meta["load_average_end"] = load_average()
+        _write(args, rows, meta)
+    return 0
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    if not rows:
+        return
     if args.json:
         write_json(args.json, rows, meta)
         print(f"wrote {args.json}")
     if args.plot:
         write_overhead_plot(Path(args.plot), rows)
         print(f"wrote {args.plot}")
-    return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -62,3 +62,18 @@ def test_unknown_system_is_refused():
     with pytest.raises(SystemExit, match="unknown system"):
         overhead.main(["--systems", "nope"])
 
+
+
+def test_rows_measured_before_a_failing_cell_are_written(tmp_path, monkeypatch):
+    import bench.overhead_router
+
+    def no_ray(*_args, **_kwargs):
+        raise RuntimeError("The current node timed out during startup")
+
+    monkeypatch.setattr(bench.overhead_router, "run_router_cells", no_ray)
+    out = tmp_path / "partial.json"
+    with pytest.raises(RuntimeError, match="timed out"):
+        overhead.main(["--systems", "target-only", "--batch-sizes", "1", "--steps", "2", "--warmup", "1",
+                       "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["where"]) for r in rows] == [("target-only", "in-process")]
