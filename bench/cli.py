@@ -14,11 +14,11 @@ from types import ModuleType
 
 # name: (module, one-line help)
 BENCHMARKS = {
-    "engine": ("bench.engine", "engine benchmark (no server): specd vs target-only, transformers and vLLM"),
-    "serve": ("bench.serve", "load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead"),
-    "osd": ("bench.osd", "online distillation: acceptance over a shifting stream"),
-    "overhead": ("bench.overhead", "host time of a step, free forwards: planning, bookkeeping, verify"),
-    "soak": ("bench.soak", "long run: N streaming clients for D minutes, errors, RSS of every process, TPOT"),
+    "engine": ("specd.bench.engine", "engine benchmark (no server): specd vs target-only, transformers and vLLM"),
+    "serve": ("specd.bench.serve", "load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead"),
+    "osd": ("specd.bench.osd", "online distillation: acceptance over a shifting stream"),
+    "overhead": ("specd.bench.overhead", "host time of a step, free forwards: planning, bookkeeping, verify"),
+    "soak": ("specd.bench.soak", "long run: N streaming clients for D minutes, errors, RSS of every process, TPOT"),
 }
 
 

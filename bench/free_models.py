@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.target_worker import TargetWorker
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.target_worker import TargetWorker
 
 VOCAB = 49152          # SmolLM2's vocabulary and hidden width: the tensors a step moves have real sizes
 HIDDEN = 576

@@ -37,7 +37,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.report import save_figure, write_json
+from specd.bench.report import save_figure, write_json
 
 SYSTEMS = ("target-only", "chain", "tree", "default")
 WHERE = ("in-process", "router")
@@ -52,7 +52,7 @@ def _csv(kind):
 
 def system_setup(system: str, cfg_spec) -> tuple[list[str], Any]:
     """(config overrides, SpecParams) of one system; cfg_spec: the composed config's spec section."""
-    from workers.engine.types import SpecParams
+    from specd.workers.engine.types import SpecParams
 
     if system == "target-only":
         return [], SpecParams(enabled=False)
@@ -108,10 +108,10 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
     """Median host time of `steps` steps of `batch` requests on one SpecEngine: the process's CPU time
     (nothing waits with free forwards, so that is the host work, and unlike wall time it does not grow
     with what else runs on a shared machine), and its wall time beside it."""
-    from workers.core.sampling import SamplingParams
-    from workers.engine.handles import run_sync
-    from workers.engine.spec_engine import SpecEngine
-    from workers.engine.types import NewRequest
+    from specd.workers.core.sampling import SamplingParams
+    from specd.workers.engine.handles import run_sync
+    from specd.workers.engine.spec_engine import SpecEngine
+    from specd.workers.engine.types import NewRequest
 
     overrides, spec = system_setup(system, cfg.spec)
     drafter = drafters.get("model" if overrides else cfg.drafter.kind) if spec.enabled else None
@@ -176,10 +176,10 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
 
 def build_in_process(cfg, free: bool) -> tuple[Any, dict]:
     """One target worker and one drafter worker per drafter kind the systems use."""
-    from bench.free_models import FreeDraftWorker, FreeTargetWorker
-    from workers.engine.build import worker_seeds
-    from workers.engine.draft_worker import DraftWorker
-    from workers.engine.target_worker import TargetWorker
+    from specd.bench.free_models import FreeDraftWorker, FreeTargetWorker
+    from specd.workers.engine.build import worker_seeds
+    from specd.workers.engine.draft_worker import DraftWorker
+    from specd.workers.engine.target_worker import TargetWorker
 
     target_cls, drafter_cls = (FreeTargetWorker, FreeDraftWorker) if free else (TargetWorker, DraftWorker)
     target_seed, drafter_seed = worker_seeds(cfg.seed)
@@ -199,12 +199,12 @@ def load_average() -> list[float]:
 def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_dir: Path | None,
               steps: int, rows: list[dict[str, Any]]) -> None:
     """Every cell of one kind of forwards, appended to `rows` as it is measured."""
-    from configs import load_config
+    from specd.configs import load_config
 
     max_batch = max(args.batch_sizes)
     cfg = load_config(base_overrides(target_dir, drafter_dir, max_batch, free) + list(args.overrides))
     if not free:
-        from cluster.first_start import ensure_serving_drafter
+        from specd.cluster.first_start import ensure_serving_drafter
 
         ensure_serving_drafter(cfg, str(target_dir))
     forwards = "free" if free else "real"
@@ -218,7 +218,7 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
                 print(_line(rows[-1]), flush=True)
         del target, drafters
     if "router" in args.where:
-        from bench.overhead_router import run_router_cells
+        from specd.bench.overhead_router import run_router_cells
 
         for row in run_router_cells(cfg, args.systems, args.batch_sizes, steps, args.warmup, free,
                                     args.pipeline_groups):
@@ -261,7 +261,7 @@ def write_overhead_plot(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from bench.free_models import write_stand_ins
+    from specd.bench.free_models import write_stand_ins
 
     for name in args.systems:
         if name not in SYSTEMS:
@@ -282,7 +282,7 @@ def run_bench(args: argparse.Namespace) -> int:
             target_dir, drafter_dir = write_stand_ins(Path(tmp), MAX_SEQ_LEN)
             run_cells(args, True, target_dir, drafter_dir, args.steps, rows)
         if args.real:
-            from workers.models.loader import ensure_target_model
+            from specd.workers.models.loader import ensure_target_model
 
             run_cells(args, False, Path(ensure_target_model()), None, args.real_steps, rows)
     finally:
@@ -321,7 +321,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.cli import run_alone
+    from specd.bench.cli import run_alone
 
     return run_alone("overhead", __import__(__name__, fromlist=["run_bench"]), argv)
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from bench.overhead import MAX_SEQ_LEN, PROMPT_LEN, TREE_MARGIN, median_ms, prompts, system_setup
+from specd.bench.overhead import MAX_SEQ_LEN, PROMPT_LEN, TREE_MARGIN, median_ms, prompts, system_setup
 
 
 class _StepClock:
@@ -60,9 +60,9 @@ class _StepClock:
 
 async def _cell(cluster, cfg, system: str, batch: int, steps: int, warmup: int, groups: int,
                 salt: int) -> dict[str, Any]:
-    from cluster.scheduler import Scheduler
-    from workers.core.sampling import SamplingParams
-    from workers.engine.types import NewRequest
+    from specd.cluster.scheduler import Scheduler
+    from specd.workers.core.sampling import SamplingParams
+    from specd.workers.engine.types import NewRequest
 
     _, spec = system_setup(system, cfg.spec)
     rep = cluster.replicas[0]
@@ -108,8 +108,8 @@ def run_router_cells(cfg, systems: list[str], batch_sizes: list[int], steps: int
     """Every (system, batch) cell through one Ray cluster per drafter kind; Ray is shut down after."""
     import ray
 
-    from bench.free_models import FreeDraftWorker, FreeTargetWorker
-    from cluster import actors
+    from specd.bench.free_models import FreeDraftWorker, FreeTargetWorker
+    from specd.cluster import actors
 
     classes = (FreeTargetWorker, FreeDraftWorker) if free else (None, None)
     started = actors.init_ray(cfg)

@@ -22,8 +22,8 @@ import threading
 
 import grpc
 
-from configs import ConfigError, flatten, load_config
-from proto.specd.v1 import serving_pb2, serving_pb2_grpc
+from specd.configs import ConfigError, flatten, load_config
+from specd.proto.specd.v1 import serving_pb2, serving_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ class AdminServicer(serving_pb2_grpc.SpecdAdminServicer):
 
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_admin(args: argparse.Namespace) -> int:
-    from cluster.client import SpecdClient
-    from cluster.serve import client_security
+    from specd.cluster.client import SpecdClient
+    from specd.cluster.serve import client_security
 
     if args.token_env == "SPECD_ADMIN_TOKEN" and (args.action == "get"
                                                   or not os.environ.get("SPECD_ADMIN_TOKEN")):
@@ -135,7 +135,7 @@ def _cmd_admin(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers) -> None:
     """`specd admin set KEY=VALUE ...` and `specd admin get [KEY ...]` (called by cluster/cli.py)."""
-    from cluster.serve import add_client_options
+    from specd.cluster.serve import add_client_options
 
     p = subparsers.add_parser("admin", help="change speculation settings of a running server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

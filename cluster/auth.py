@@ -134,7 +134,7 @@ class ServerSecurity:
 
     @classmethod
     def from_config(cls, server) -> ServerSecurity:
-        """`server` is configs.schema.ServerConfig; file problems fail here, before anything loads."""
+        """`server` is specd.configs.schema.ServerConfig; file problems fail here, before anything loads."""
         credentials = None
         if server.tls_cert_file or server.tls_key_file:
             if not (server.tls_cert_file and server.tls_key_file):

@@ -14,9 +14,9 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
-from cluster.scheduler import QueueFull, Scheduler
-from workers.core.sampling import SamplingParams
-from workers.engine.types import FinishReason, NewRequest, SpecParams
+from specd.cluster.scheduler import QueueFull, Scheduler
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.types import FinishReason, NewRequest, SpecParams
 
 log = logging.getLogger(__name__)
 

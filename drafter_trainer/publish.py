@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from workers.drafters.versions import (
+from specd.workers.drafters.versions import (
     CURRENT_FILE,
     META_FILE,
     VERSIONS_DIR,

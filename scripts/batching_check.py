@@ -20,15 +20,15 @@ from __future__ import annotations
 import collections
 import sys
 
-from bench.datasets import workload_prompts
-from cluster.first_start import ensure_serving_drafter
-from configs import load_config
 from scripts.step_costs import NEW_TOKENS, Meter, report, run_cell
-from workers.core.sampling import SamplingParams
-from workers.drafters.base import SCRATCH_PREFIX
-from workers.engine.build import build_engine
-from workers.engine.types import NewRequest, SpecParams
-from workers.models.loader import ensure_target_model, load_tokenizer
+from specd.bench.datasets import workload_prompts
+from specd.cluster.first_start import ensure_serving_drafter
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.base import SCRATCH_PREFIX
+from specd.workers.engine.build import build_engine
+from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
 
 def stepped(engine, meter: Meter, spec: SpecParams, prompts, batch: int, temperature: float, size: int):

@@ -27,15 +27,15 @@ import time
 
 from transformers import AutoTokenizer
 
-from bench.datasets import workload_prompts
-from cluster.first_start import ensure_serving_drafter
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.build import build_engine, worker_seeds
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.types import NewRequest, SpecParams
-from workers.models.loader import ensure_target_model
+from specd.bench.datasets import workload_prompts
+from specd.cluster.first_start import ensure_serving_drafter
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.build import build_engine, worker_seeds
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.loader import ensure_target_model
 
 NEW_TOKENS = 64
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from configs import load_config
-from drafter_trainer.gate import score
-from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import (
+from specd.configs import load_config
+from specd.drafter_trainer.gate import score
+from specd.drafter_trainer.online import OnlineTrainer
+from specd.drafter_trainer.online_data import (
     Example,
     TargetTeacher,
     is_held_out,
@@ -37,9 +37,9 @@ from drafter_trainer.online_data import (
     trainer_dtype,
     with_prompt_weight,
 )
-from drafter_trainer.replay_source import RECORD_FIELD
-from proto.replay_codec import decode_record
-from workers.models.loader import ensure_target_model
+from specd.drafter_trainer.replay_source import RECORD_FIELD
+from specd.proto.replay_codec import decode_record
+from specd.workers.models.loader import ensure_target_model
 
 
 class _NoSource:
@@ -177,7 +177,7 @@ def main() -> None:
     print(f"{len(examples)} labelled records")
     heldout_eval = None
     if args.heldout:
-        from bench.osd import heldout_acceptance
+        from specd.bench.osd import heldout_acceptance
 
         def heldout_eval(store: Path, after: dict[str, str]) -> dict:
             return heldout_acceptance([*args.overrides, f"drafter.path={args.drafter}", "drafter.kind=model"],

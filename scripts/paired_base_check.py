@@ -15,14 +15,14 @@ import time
 
 from transformers import AutoTokenizer
 
-from bench.datasets import workload_prompts
-from cluster.first_start import ensure_serving_drafter
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.drafters.base import SCRATCH_PREFIX
-from workers.engine.build import build_engine
-from workers.engine.types import NewRequest, SpecParams
-from workers.models.loader import ensure_target_model
+from specd.bench.datasets import workload_prompts
+from specd.cluster.first_start import ensure_serving_drafter
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.base import SCRATCH_PREFIX
+from specd.workers.engine.build import build_engine
+from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.loader import ensure_target_model
 
 
 def main(workload: str, batch: int, temperature: float, groups: int) -> None:

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.report import cell_key, save_figure
+from specd.bench.report import cell_key, save_figure
 
 
 def main(argv: list[str]) -> None:

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from workers.engine.host_memory import keep_freed_memory
-from workers.engine.runner import ModelRunner
-from workers.models import layers
-from workers.models.loader import ensure_target_model
+from specd.workers.engine.host_memory import keep_freed_memory
+from specd.workers.engine.runner import ModelRunner
+from specd.workers.models import layers
+from specd.workers.models.loader import ensure_target_model
 
 
 def main(batch: int = 16, context: int = 90, reps: int = 30) -> None:

@@ -18,10 +18,10 @@ import sys
 import time
 import tracemalloc
 
-from configs import load_config
-from workers.drafters.suffix_index import SuffixIndex
-from workers.models.loader import ensure_target_model, load_tokenizer
-from workers.prompts import encode_prompt, load_split
+from specd.configs import load_config
+from specd.workers.drafters.suffix_index import SuffixIndex
+from specd.workers.models.loader import ensure_target_model, load_tokenizer
+from specd.workers.prompts import encode_prompt, load_split
 
 DEPTH, MATCH = 24, 12
 

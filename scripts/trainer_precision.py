@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from configs import load_config
-from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import Example, TargetTeacher
-from drafter_trainer.teacher import cache_root
-from workers.models.loader import ensure_target_model
+from specd.configs import load_config
+from specd.drafter_trainer.online import OnlineTrainer
+from specd.drafter_trainer.online_data import Example, TargetTeacher
+from specd.drafter_trainer.teacher import cache_root
+from specd.workers.models.loader import ensure_target_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -54,7 +54,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def target_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (de-quantized on first use, then cached)."""
-    from workers.models.loader import ensure_target_model
+    from specd.workers.models.loader import ensure_target_model
 
     try:
         return ensure_target_model()

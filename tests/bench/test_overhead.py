@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from bench import overhead
-from bench.free_models import TOKEN, FreeForward, FreeTargetWorker, write_stand_ins
+from specd.bench import overhead
+from specd.bench.free_models import TOKEN, FreeForward, FreeTargetWorker, write_stand_ins
 
 
 def test_free_forward_answers_with_the_real_shapes_and_refuses_writes(tmp_path):
-    from configs import load_config
+    from specd.configs import load_config
 
     target_dir, drafter_dir = write_stand_ins(tmp_path, 512)
     cfg = load_config([f"target.model_path={target_dir}", "target.max_slots=2", "target.max_seq_len=512",
@@ -65,12 +65,12 @@ def test_unknown_system_is_refused():
 
 
 def test_rows_measured_before_a_failing_cell_are_written(tmp_path, monkeypatch):
-    import bench.overhead_router
+    import specd.bench.overhead_router
 
     def no_ray(*_args, **_kwargs):
         raise RuntimeError("The current node timed out during startup")
 
-    monkeypatch.setattr(bench.overhead_router, "run_router_cells", no_ray)
+    monkeypatch.setattr(specd.bench.overhead_router, "run_router_cells", no_ray)
     out = tmp_path / "partial.json"
     with pytest.raises(RuntimeError, match="timed out"):
         overhead.main(["--systems", "target-only", "--batch-sizes", "1", "--steps", "2", "--warmup", "1",

@@ -17,11 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from test_router import BOUNDS, LoopThread, ToyCodec
 
-from cluster.auth import BearerAuthInterceptor, ServerSecurity, read_tokens
-from cluster.client import Security, SpecdClient
-from cluster.router import Backend, GrpcServer, SpecdServicer
-from cluster.scheduler import Scheduler
-from configs.schema import ServerConfig
+from specd.cluster.auth import BearerAuthInterceptor, ServerSecurity, read_tokens
+from specd.cluster.client import Security, SpecdClient
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+from specd.cluster.scheduler import Scheduler
+from specd.configs.schema import ServerConfig
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -202,7 +202,7 @@ def test_tokens_from_file_and_env_and_bad_settings(tmp_path, monkeypatch) -> Non
 
 
 def test_specd_generate_takes_tls_and_token_options(secured, monkeypatch, tmp_path, capsys) -> None:
-    from cluster.cli import main
+    from specd.cluster.cli import main
 
     base = ["generate", "hi", "--raw", "--address", secured.address, "--ca-file", secured.cert,
             "--max-new-tokens", "3"]

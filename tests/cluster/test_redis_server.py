@@ -8,8 +8,8 @@ import shutil
 import pytest
 import redis
 
-from cluster.redis_server import ManagedRedis, endpoint_from_config, open_redis
-from configs.schema import ReplayConfig
+from specd.cluster.redis_server import ManagedRedis, endpoint_from_config, open_redis
+from specd.configs.schema import ReplayConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 

@@ -15,8 +15,8 @@ from functools import partial
 
 import pytest
 
-from cluster.client import SpecdClient
-from cluster.redis_server import free_port
+from specd.cluster.client import SpecdClient
+from specd.cluster.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -43,8 +43,8 @@ def _streamed(client: SpecdClient, max_new_tokens: int, prompt: str) -> list[int
 
 def hidden_drafter_dir():
     """The bootstrapped hidden-state drafter, or the quick one the test set-up builds once."""
-    from drafter_trainer.teacher import cache_root
-    from workers.drafters.model import default_drafter_dir
+    from specd.drafter_trainer.teacher import cache_root
+    from specd.workers.drafters.model import default_drafter_dir
 
     quick = cache_root() / "drafters" / "boot-quick-tests-hidden"
     for path in (default_drafter_dir(target_hidden=True), quick):
@@ -57,8 +57,8 @@ def hidden_drafter_dir():
 def server(tmp_path_factory):
     boot_hidden_drafter_dir = hidden_drafter_dir()
     ray = pytest.importorskip("ray")
-    from cluster.serve import serve
-    from configs import load_config
+    from specd.cluster.serve import serve
+    from specd.configs import load_config
 
     store = tmp_path_factory.mktemp("online-store")
     cfg = load_config([

@@ -43,7 +43,7 @@ from typing import ClassVar
 
 import torch
 
-from workers.core.goodput import Acceptance, CostProfile, GoodputController, Plan, Slot, StepCostModel
+from specd.workers.core.goodput import Acceptance, CostProfile, GoodputController, Plan, Slot, StepCostModel
 
 # Per-token acceptance assumed for a drafter with no record of its own (no training record, no measured
 # steps): the one prior every policy, the worker's per-position counts and the suffix drafter start from.

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import Draft, NewRequest
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import Draft, NewRequest
 
 VOCAB = 96    # tests/workers/engine/conftest.py
 
