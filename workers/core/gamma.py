@@ -45,6 +45,10 @@ import torch
 
 from specd.workers.core.goodput import Acceptance, CostProfile, GoodputController, Plan, Slot, StepCostModel
 
+# Per-token acceptance assumed for a drafter with no record of its own (no training record, no measured
+# steps): the one prior every policy, the worker's per-position counts and the suffix drafter start from.
+ACCEPTANCE_PRIOR = 0.6
+
 
 @dataclass
 class GammaState:
@@ -98,6 +102,8 @@ class GammaPolicy(ABC):
     """
 
     name: ClassVar[str] = ""
+    # keep_drafting reads the drafter's distribution q_row (else the drafter need not compute it)
+    reads_draft_probs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -200,6 +206,7 @@ class EntropyGamma(GammaPolicy):
     """
 
     name = "egag"
+    reads_draft_probs = True
 
     def __init__(
         self,
@@ -245,6 +252,7 @@ class ConfidenceGamma(GammaPolicy):
     """
 
     name = "confidence"
+    reads_draft_probs = True
 
     def __init__(self, threshold: float = 0.4, **kwargs):
         super().__init__(**kwargs)
@@ -299,7 +307,7 @@ class AdaptiveGamma(GammaPolicy):
         draft_cost_ratio: float = 0.1,
         verify_cost: Callable[[int], float] | Sequence[float] | None = None,
         verify_slope: float = 0.07,
-        acceptance_prior: float = 0.6,
+        acceptance_prior: float = ACCEPTANCE_PRIOR,
         max_tree_nodes: int | None = None,
         **kwargs,
     ) -> None:
@@ -371,7 +379,7 @@ class GoodputGamma(GammaPolicy):
         gamma_max: int = 8,
         controller: GoodputController | None = None,
         position_prior: Sequence[float] | None = None,
-        acceptance_prior: float = 0.6,
+        acceptance_prior: float = ACCEPTANCE_PRIOR,
         **kwargs,
     ) -> None:
         super().__init__(

@@ -280,9 +280,13 @@ class ModelDrafter(Drafter):
             logits = self.runner.extend([seqs[i].slot for i in active], [inputs[i] for i in active], **extra)
             last = torch.tensor([len(inputs[i]) - 1 for i in active], device=logits.device)
             logits = logits[torch.arange(len(active), device=logits.device), last]  # [b, V']
-            q = self._q(logits, [params[i] for i in active])                    # [b, V']
-            picked = sample(q, [seqs[i].generator for i in active],
-                            [params[i].is_greedy for i in active])                # [b]
+            greedy = [params[i].is_greedy for i in active]
+            if all(greedy):
+                # greedy q is one-hot on the argmax, and sampling it draws nothing (sampling.py)
+                q, picked = None, logits.argmax(dim=-1)                          # [b]
+            else:
+                q = self._q(logits, [params[i] for i in active])                # [b, V']
+                picked = sample(q, [seqs[i].generator for i in active], greedy)  # [b]
             ids = self._to_target_ids(picked)
             still = []
             for j, i in enumerate(active):
@@ -290,11 +294,13 @@ class ModelDrafter(Drafter):
                     feats[i] = seqs[i].feed_hidden[-1:]
                 seqs[i].feed, seqs[i].feed_hidden = [], None
                 tokens[i].append(ids[j])
-                qs[i].append(q[j])
+                qs[i].append(None if q is None else q[j])
                 more = len(tokens[i]) < gammas[i]
                 if more and policy is not None and states is not None:
-                    # EGAG reads the drafter's uncertainty: the softmax, not a greedy one-hot
-                    soft = q[j] if not params[i].is_greedy else torch.softmax(logits[j].float(), -1)
+                    soft = None
+                    if policy.reads_draft_probs:
+                        # EGAG reads the drafter's uncertainty: the softmax, not a greedy one-hot
+                        soft = q[j] if not params[i].is_greedy else torch.softmax(logits[j].float(), -1)
                     more = policy.keep_drafting(states[i], len(tokens[i]), soft)
                 if more:
                     still.append(i)
@@ -363,28 +369,46 @@ class ModelDrafter(Drafter):
             )
             for s, start in zip(slots, starts, strict=True):
                 self.runner.rollback(s, start)
+            greedy: dict[int, list[tuple[int, int]]] = {}     # width -> (batch row, request) of greedy rows
             for j, i in enumerate(rows):
+                width = widths[i] if level == 0 else 1
+                if params[i].is_greedy:
+                    greedy.setdefault(width, []).append((j, i))
+                    continue
                 nodes = frontier[i]
                 q = self._q(logits[j, nodes], [params[i]] * len(nodes))        # [len(nodes), V']
-                width = widths[i] if level == 0 else 1
                 new_frontier = []
                 for k, node in enumerate(nodes):
-                    # greedy q is one-hot: rank the greedy candidates by the raw logits instead
-                    ranked = logits[j, node] if params[i].is_greedy else q[k]
-                    for tok, qc in self._children(ranked, width, params[i], seqs[i].generator):
+                    for tok, qc in self._children(q[k], width, params[i], seqs[i].generator):
                         trees[i][0].append(tok)
                         trees[i][1].append(node)
                         q_child[i].append(qc)
                         new_frontier.append(len(trees[i][0]) - 1)
                 frontier[i] = new_frontier
+            for width, members in greedy.items():
+                self._greedy_children(logits, members, width, trees, q_child, frontier)
         return self._tree_result(seqs, trees, q_child, params)
 
+    def _greedy_children(self, logits, members, width, trees, q_child, frontier) -> None:
+        """The top-`width` candidates of every frontier node of greedy rows `members` at once: greedy q is
+        one-hot, so they are ranked by the raw logits; deterministic, one-hot q_child (None)."""
+        picked = torch.cat([logits[j, frontier[i]] for j, i in members])        # [nodes, V']
+        top = self._to_target_ids(torch.topk(picked, min(width, picked.shape[-1])).indices)   # [nodes][w]
+        k = 0
+        for _, i in members:
+            new_frontier = []
+            for node in frontier[i]:
+                for tok in top[k]:
+                    trees[i][0].append(tok)
+                    trees[i][1].append(node)
+                    q_child[i].append(None)
+                    new_frontier.append(len(trees[i][0]) - 1)
+                k += 1
+            frontier[i] = new_frontier
+
     def _children(self, q: torch.Tensor, width: int, p, gen) -> list[tuple[int, torch.Tensor | None]]:
-        """`width` children of a node: (target id, q_child or None). q [V'] is the drafter's distribution,
-        or its logits for a greedy request (top-w candidates, deterministic, one-hot q_child)."""
-        if p.is_greedy:
-            top = torch.topk(q, min(width, q.shape[-1])).indices
-            return [(tok, None) for tok in self._to_target_ids(top)]
+        """`width` children of a sampled request's node, drawn without replacement from q [V'], the
+        drafter's distribution: (target id, q_child)."""
         width = min(width, int((q > 0).sum()))
         out, remaining = [], q.clone()
         for _ in range(width):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specd.workers.core.gamma import ACCEPTANCE_PRIOR
 from specd.workers.drafters.base import (
     SCRATCH_PREFIX,
     Drafter,
@@ -74,7 +75,7 @@ class PositionAcceptance:
             self.hits[b][k] += k < accepted
 
 
-MODEL_PRIOR = 0.6   # a model's per-token acceptance assumed where its drafter carries no record
+MODEL_PRIOR = ACCEPTANCE_PRIOR   # a model's per-token acceptance assumed where its drafter carries no record
 
 
 @dataclass

@@ -19,7 +19,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specd.workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
+from specd.workers.core.gamma import (
+    ACCEPTANCE_PRIOR,
+    PRIOR_PROFILE,
+    GammaPolicy,
+    GammaState,
+    GoodputGamma,
+    build_gamma_policy,
+)
 from specd.workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
 from specd.workers.drafters.registry import drafter_class
 from specd.workers.engine.gc_freeze import freeze_loaded_objects
@@ -53,14 +60,14 @@ def build_policy(name: str, spec_cfg, gamma: int, tree_width: int, **goodput) ->
     return build_gamma_policy(name, **common, **extra.get(name, {}))
 
 
-DEFAULT_PRIOR = 0.6   # acceptance per position assumed for a drafter with no training record
+DEFAULT_PRIOR = ACCEPTANCE_PRIOR   # acceptance per position assumed for a drafter with no training record
 
 
 class PositionCounts:
     """Drafted and accepted counts per draft position over every step of a worker: the drafter's measured
     acceptance per position, which seeds new requests' estimates (prior pseudo-counts until data comes)."""
 
-    def __init__(self, depth: int = 16, prior: float = 0.6, pseudo: float = 4.0) -> None:
+    def __init__(self, depth: int = 16, prior: float = ACCEPTANCE_PRIOR, pseudo: float = 4.0) -> None:
         self.drafted = [0] * depth
         self.accepted = [0] * depth
         self.prior, self.pseudo = prior, pseudo

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from specd.workers.core.kv_cache import CacheFullError, KVCache
 from specd.workers.engine.static_decode import StaticDecoder
@@ -273,16 +274,19 @@ class ModelRunner:
     def _feature_inputs(self, features, staleness, counts, n):
         """Right-padded [b, n, hidden] features and [b, n] staleness (0 = fresh) on the device."""
         width = self.model.cfg.hidden_size
-        # Assembled where the features arrive (the CPU, from another worker), then moved once.
-        host = features[0].device
-        feats = torch.zeros(len(counts), n, width, dtype=self.model.embed_tokens.dtype, device=host)
-        stale = torch.zeros(len(counts), n, dtype=torch.long, device=host)
         for i, c in enumerate(counts):
             if features[i].shape != (c, width):
                 raise ValueError(f"row {i}: features {tuple(features[i].shape)} != ({c}, {width})")
-            feats[i, :c] = features[i]
-            if staleness is not None:
-                stale[i, :c] = torch.as_tensor(staleness[i], dtype=torch.long, device=host)
+        # Assembled where the features arrive (the CPU, from another worker) in one padding copy, then
+        # moved once.
+        dtype = self.model.embed_tokens.dtype
+        feats = pad_sequence([f.to(dtype) for f in features], batch_first=True)      # [b, max(counts), H]
+        if feats.shape[1] < n:
+            feats = torch.nn.functional.pad(feats, (0, 0, 0, n - feats.shape[1]))
+        if staleness is None:
+            stale = torch.zeros(len(counts), n, dtype=torch.long)
+        else:
+            stale = torch.tensor([_as_list(s) + [0] * (n - len(s)) for s in staleness], dtype=torch.long)
         return feats.to(self.device), stale.to(self.device)
 
     @torch.inference_mode()
@@ -337,24 +341,13 @@ class ModelRunner:
             return self._merge_rows(groups, [part(g) for g in groups], len(slots), return_hidden)
         n = max(sizes)
         b = len(slots)
-        # The tree layout is planned on the host from Python lists, then moved to the device once.
+        # The tree layout is planned on the host in Python lists, then made tensors once.
         host = torch.device("cpu")
-        ids = torch.zeros(b, n, dtype=torch.long, device=host)
-        depth = torch.zeros(b, n, dtype=torch.long, device=host)
-        # [b, n, n]; padding sees only itself
-        mask = torch.eye(n, dtype=torch.bool, device=host).repeat(b, 1, 1)
-        for row, (tokens, parents) in enumerate(zip(trees_tokens, trees_parents, strict=True)):
-            parents = torch.as_tensor(parents, dtype=torch.long, device=host).tolist()
-            ids[row, : len(parents)] = torch.as_tensor(tokens, dtype=torch.long, device=host)
-            for i, parent in enumerate(parents):
-                if i == 0:
-                    if parent != -1:
-                        raise ValueError("node 0 must be the root (parent -1)")
-                    continue
-                if not 0 <= parent < i:
-                    raise ValueError(f"parents[{i}] = {parent}: each parent must come before its child")
-                depth[row, i] = depth[row, parent] + 1
-                mask[row, i] |= mask[row, parent]  # ancestors of the parent, then self (eye)
+        layouts = [_tree_layout(_as_list(t), _as_list(p), n) for t, p in zip(trees_tokens, trees_parents,
+                                                                              strict=True)]
+        ids = torch.tensor([ids for ids, _, _ in layouts], dtype=torch.long, device=host)        # [b, n]
+        depth = torch.tensor([d for _, d, _ in layouts], dtype=torch.long, device=host)          # [b, n]
+        mask = torch.tensor([m for _, _, m in layouts], dtype=torch.bool, device=host)           # [b, n, n]
         starts = self.cache.lengths[slots]  # [b]
         feats = stale = None
         if features is not None:
@@ -403,6 +396,30 @@ class ModelRunner:
             self.model.load_hf_tensors(source.items())
         else:
             self.model.load_hf_tensors(iter_safetensors(safetensors_files(Path(source))))
+
+
+def _as_list(values: list[int] | torch.Tensor) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
+def _tree_layout(tokens: list[int], parents: list[int], n: int
+                 ) -> tuple[list[int], list[int], list[list[bool]]]:
+    """(ids, depth, mask) of one tree padded to n nodes: node i sees its ancestors and itself, padding
+    only itself."""
+    size = len(parents)
+    depth = [0] * n
+    mask = [[j == i for j in range(n)] for i in range(n)]
+    for i, parent in enumerate(parents):
+        if i == 0:
+            if parent != -1:
+                raise ValueError("node 0 must be the root (parent -1)")
+            continue
+        if not 0 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: each parent must come before its child")
+        depth[i] = depth[parent] + 1
+        mask[i] = list(mask[parent])   # ancestors of the parent, then self
+        mask[i][i] = True
+    return list(tokens[:size]) + [0] * (n - size), depth, mask
 
 
 def _pick(rows: list | None, order: list[int]) -> list | None:

@@ -191,14 +191,19 @@ class TargetWorker:
                            for d in drafts]
                 out = self.runner.extend_trees(slots, inputs, parents, return_hidden=return_hidden)
             logits, hidden = out if return_hidden else (out, None)   # [b, n_max, vocab], [b, n_max, H]
-            p = self._probs(logits, [r.sampling for r in runs])       # [b, n_max, vocab]
-            chains = [i for i, d in enumerate(drafts) if d.parents is None]
-            trees = [i for i, d in enumerate(drafts) if d.parents is not None]
+            greedy = [i for i, r in enumerate(runs) if r.sampling.is_greedy]
             results: dict[int, VerifyResult] = {}
-            if chains:
-                results.update(self._verify_chains(chains, drafts, runs, starts, p, hidden))
-            if trees:
-                results.update(self._verify_trees(trees, drafts, runs, starts, p, hidden))
+            if greedy:
+                results.update(self._verify_greedy(greedy, drafts, runs, starts, logits, hidden))
+            if len(greedy) < len(runs):
+                p = self._probs(logits, [r.sampling for r in runs])   # [b, n_max, vocab]
+                sampled = [i for i in range(len(runs)) if not runs[i].sampling.is_greedy]
+                chains = [i for i in sampled if drafts[i].parents is None]
+                trees = [i for i in sampled if drafts[i].parents is not None]
+                if chains:
+                    results.update(self._verify_chains(chains, drafts, runs, starts, p, hidden))
+                if trees:
+                    results.update(self._verify_trees(trees, drafts, runs, starts, p, hidden))
         seconds = time.perf_counter() - t0
         self._busy += seconds
         for res in results.values():
@@ -209,6 +214,48 @@ class TargetWorker:
         # logits [b, n, vocab] -> p [b, n, vocab], float32 so the accept ratios are computed exactly alike
         temperature, top_k, top_p = params_to_tensors(params, logits.device)
         return logits_to_probs(logits.float(), temperature, top_k, top_p)
+
+    def _verify_greedy(self, rows, drafts, runs, starts, logits, hidden) -> dict[int, VerifyResult]:
+        """Greedy rows, chains and trees alike, from the argmax of their logits alone.
+
+        A greedy row's p is one-hot on the argmax of its logits (sampling.logits_to_probs), so the
+        verifiers accept a chain's draft, or a tree node's first child in stored order, exactly when it
+        equals the argmax at its parent, and emit the argmax where the walk stops: the same outcome
+        without p over the vocabulary or a walk on the device. One device-to-host read for the batch
+        (each read is a GPU synchronisation), then host lists.
+        """
+        n = max(1 + len(drafts[i].tokens) for i in rows)
+        picked = logits[:, :n] if len(rows) == logits.shape[0] else logits[rows, :n]
+        best = picked.argmax(dim=-1).tolist()                                  # [g, n]
+        states = None
+        if hidden is not None:
+            states = (hidden[:, :n] if len(rows) == hidden.shape[0] else hidden[rows, :n]).float().cpu()
+        results = {}
+        for j, i in enumerate(rows):
+            d, run, top = drafts[i], runs[i], best[j]
+            if d.parents is None:
+                accepted = 0
+                while accepted < len(d.tokens) and d.tokens[accepted] == top[accepted]:
+                    accepted += 1
+                path = list(range(1, accepted + 1))
+                new_tokens = [*d.tokens[:accepted], top[accepted]]
+                # keep the old pending token and the accepted drafts; the last emitted token becomes pending
+                self.runner.rollback(run.slot, starts[i] + 1 + accepted)
+                bonus = accepted == len(d.tokens)
+                res = VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bonus)
+            else:
+                path, leaf, depth = _greedy_tree_path(d, top)
+                new_tokens = [*(d.tokens[c - 1] for c in path), top[path[-1] if path else 0]]
+                self.runner.keep_tree_path(run.slot, starts[i], [0, *path])
+                res = VerifyResult(d.request_id, len(d.tokens), len(path), new_tokens, leaf,
+                                   accepted_nodes=path, depth=depth)
+            run.pending = new_tokens[-1]
+            run.num_tokens += len(new_tokens)
+            if states is not None:
+                # the states at the root and each accepted node predicted the next token on the path
+                res.hidden = states[j, [0, *path]]
+            results[i] = res
+        return results
 
     def _verify_chains(self, rows, drafts, runs, starts, p, hidden) -> dict[int, VerifyResult]:
         """Rows `rows` of the batch are chains: verify them together, roll each cache back."""
@@ -295,6 +342,24 @@ class TargetWorker:
                 hidden=hidden[i, [0, *out.accepted_nodes]].float().cpu() if hidden is not None else None,
             )
         return results
+
+
+def _greedy_tree_path(draft: Draft, top: list[int]) -> tuple[list[int], bool, int]:
+    """(accepted nodes, stopped at a leaf, the tree's depth) of a greedy tree walk: from the root, the
+    first child (in stored order) whose token is the argmax `top[node]`, until none is."""
+    parents = draft.parents
+    children: dict[int, list[int]] = {}
+    depth = [0] * len(parents)
+    for node in range(1, len(parents)):
+        children.setdefault(parents[node], []).append(node)
+        depth[node] = depth[parents[node]] + 1
+    path, node = [], 0
+    while True:
+        nxt = next((c for c in children.get(node, ()) if draft.tokens[c - 1] == top[node]), None)
+        if nxt is None:
+            return path, node not in children, max(depth)
+        path.append(nxt)
+        node = nxt
 
 
 def _fit_tree(draft: Draft, room: int) -> Draft:

@@ -1,0 +1,79 @@
+"""`specd bench overhead`: free forwards keep the real workers' interfaces, and the bench reports cells."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specd.bench import overhead
+from specd.bench.free_models import TOKEN, FreeForward, FreeTargetWorker, write_stand_ins
+
+
+def test_free_forward_answers_with_the_real_shapes_and_refuses_writes(tmp_path):
+    from specd.configs import load_config
+
+    target_dir, drafter_dir = write_stand_ins(tmp_path, 512)
+    cfg = load_config([f"target.model_path={target_dir}", "target.max_slots=2", "target.max_seq_len=512",
+                       "target.decode=eager"])
+    worker = FreeTargetWorker(cfg.target)
+    forward = worker.runner._forward
+    assert isinstance(forward, FreeForward)
+    logits, hidden = worker.runner.extend([0], [[3, 4, 5]], return_hidden=True)
+    assert logits.shape == (1, 3, 49152) and hidden.shape == (1, 3, 576)
+    assert int(logits[0, -1].argmax()) == TOKEN
+    assert int(worker.runner.cache.lengths[0]) == 3     # the KV bookkeeping ran around the free forward
+    with pytest.raises(RuntimeError):
+        logits.add_(1.0)        # a caller writing into the shared row would fail, not skew later steps
+    assert forward.calls == 1
+
+
+def test_in_process_cells_report_every_system(tmp_path):
+    out = tmp_path / "overhead.json"
+    rc = overhead.main(["--where", "in-process", "--batch-sizes", "1,2", "--steps", "3", "--warmup", "1",
+                        "--json", str(out), "--plot", str(tmp_path / "overhead.png")])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {(r["system"], r["batch"]) for r in rows} == {(s, b) for s in overhead.SYSTEMS for b in (1, 2)}
+    for row in rows:
+        assert row["where"] == "in-process" and row["host_ms_per_step"] > 0 and row["steps"] == 3
+        assert set(row["phases_ms"]) == {"propose", "verify", "rest"}
+    by = {(r["system"], r["batch"]): r for r in rows}
+    # the stand-ins accept every greedy draft: a γ = 3 chain emits 4 tokens per request and step
+    assert by[("chain", 2)]["tokens_per_step"] == 8
+    assert by[("target-only", 1)]["phases_ms"]["propose"] == 0
+    assert len(data["meta"]["load_average_start"]) == 3
+    assert (tmp_path / "overhead.png").stat().st_size > 0
+
+
+def test_router_cells_run_through_ray_actors(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "router.json"
+    rc = overhead.main(["--where", "router", "--systems", "target-only,chain", "--batch-sizes", "1",
+                        "--steps", "3", "--warmup", "1", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["where"]) for r in rows] == [("target-only", "router"), ("chain", "router")]
+    assert rows[1]["tokens_per_step"] == 4 and rows[1]["phases_ms"]["propose"] > 0
+
+
+def test_unknown_system_is_refused():
+    with pytest.raises(SystemExit, match="unknown system"):
+        overhead.main(["--systems", "nope"])
+
+
+
+def test_rows_measured_before_a_failing_cell_are_written(tmp_path, monkeypatch):
+    import specd.bench.overhead_router
+
+    def no_ray(*_args, **_kwargs):
+        raise RuntimeError("The current node timed out during startup")
+
+    monkeypatch.setattr(specd.bench.overhead_router, "run_router_cells", no_ray)
+    out = tmp_path / "partial.json"
+    with pytest.raises(RuntimeError, match="timed out"):
+        overhead.main(["--systems", "target-only", "--batch-sizes", "1", "--steps", "2", "--warmup", "1",
+                       "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["where"]) for r in rows] == [("target-only", "in-process")]
