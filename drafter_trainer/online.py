@@ -1,7 +1,9 @@
 """Online distillation (OSD): the serving drafter learns from the replay stream while specd serves.
 
 One round of the loop (`OnlineTrainer.poll()`):
-  1. read records through the consumer group (replay_source.py); skip records of another target;
+  1. read records through the consumer group (replay_source.py); move records that fail
+     decode_record's checks (token ids outside the target's vocabulary, bad shapes) to the dead-letter
+     stream; skip records of another target;
   2. feed each record's live steps (drafter version, drafted, accepted) to the LiveMonitor, and roll
      the serving version back to its parent when it fell behind it or collapsed (gate.py);
   3. label each record with the target's signal (online_data.py) and put it in the training buffer,
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 class TrainerStats:
     records_seen: int = 0
     records_skipped: int = 0
+    records_dead: int = 0           # moved to the dead-letter stream (<stream>:dead)
     updates: int = 0
     optimizer_steps: int = 0
     last_loss: float = float("nan")
@@ -79,6 +82,7 @@ class OnlineTrainer:
         self.store = VersionStore(store_root, keep=cfg.keep_versions)
         self._known_versions: dict[str, bool] = {}     # recorded version -> published in the store
         self.target_checksum = target_checksum(self.target_dir)
+        self.vocab_size = int(json.loads((self.target_dir / "config.json").read_text())["vocab_size"])
         self.dtype = trainer_dtype(str(cfg.dtype), str(cfg.device))
         self.teacher = teacher or TargetTeacher(self.target_dir, top_k=cfg.teacher_topk,
                                                 device=str(cfg.device), dtype=self.dtype)
@@ -126,16 +130,16 @@ class OnlineTrainer:
     def poll(self, block_ms: int = 1000, count: int = 64) -> int:
         """One round: read, monitor, label, maybe update. Returns the number of records read."""
         entries = self.source.read(count=count, block_ms=block_ms)
-        records = [(entry_id, self._decode(entry_id, data)) for entry_id, data in entries]
+        records = [(entry_id, data, self._decode(entry_id, data)) for entry_id, data in entries]
         # Live acceptance first and the rollback check at once: labelling (a teacher forward per record)
         # must not delay rolling back a collapsed version.
-        for _, record in records:
+        for _, _, record in records:
             if record is not None:
                 self._observe_live(record)
         self._check_rollback()
-        for entry_id, record in records:
+        for entry_id, data, record in records:
             if record is not None:
-                self._ingest(entry_id, record)
+                self._ingest(entry_id, data, record)
         due = self._new >= self.cfg.update_every_records or (
             self._new > 0 and time.monotonic() - self._last_update >= self.cfg.update_every_s
         )
@@ -163,22 +167,35 @@ class OnlineTrainer:
         return known
 
     def _decode(self, entry_id: str, data: bytes):
-        self._unacked.append(entry_id)
         try:
-            record = decode_record(data)
+            record = decode_record(data, vocab_size=self.vocab_size)
         except ReplayFormatError as exc:
-            log.warning("trainer: skipping entry %s: %s", entry_id, exc)
-            self.stats.records_skipped += 1
+            self._dead_letter(entry_id, data, str(exc))
             return None
+        self._unacked.append(entry_id)
         if record.target_checksum and record.target_checksum != self.target_checksum:
             self.stats.records_skipped += 1
             return None
         return record
 
-    def _ingest(self, entry_id: str, record) -> None:
-        example = make_example(entry_id, record, self.teacher, positions=self.cfg.positions,
-                               accepted_weight=self.cfg.accepted_weight, need_hidden=self.serving.hidden,
-                               chain=self.cfg.gate_gamma, prompt_weight=self.cfg.prompt_weight)
+    def _dead_letter(self, entry_id: str, data: bytes, reason: str) -> None:
+        """A record the trainer cannot use: counted, moved to <stream>:dead with its reason, acknowledged."""
+        log.warning("trainer: entry %s to %s: %s", entry_id, self.source.dead_stream, reason)
+        self.source.dead_letter(entry_id, data, reason)
+        self.stats.records_dead += 1
+        if entry_id in self._unacked:
+            self._unacked.remove(entry_id)
+
+    def _ingest(self, entry_id: str, data: bytes, record) -> None:
+        try:
+            example = make_example(entry_id, record, self.teacher, positions=self.cfg.positions,
+                                   accepted_weight=self.cfg.accepted_weight, need_hidden=self.serving.hidden,
+                                   chain=self.cfg.gate_gamma, prompt_weight=self.cfg.prompt_weight)
+        except (ValueError, IndexError) as exc:
+            # decode_record's checks should leave nothing for labelling to trip over; should one slip
+            # through, that record goes to the dead letters, not the trainer with it.
+            self._dead_letter(entry_id, data, f"labelling failed: {type(exc).__name__}: {exc}")
+            return
         self.stats.records_seen += 1
         if example is None:
             return
