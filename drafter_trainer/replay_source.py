@@ -2,9 +2,10 @@
 
 A trainer reads with XREADGROUP as consumer `consumer` of group `group`. Entries it has read but not
 acknowledged (XACK) stay in its pending list; after a restart it first reads its own pending entries
-(id 0) and only then new ones (id >), so nothing it had not finished with is lost. It acknowledges an
-entry only once the entry's record is in its training state (after an update round), which makes the
-delivery at least once: a crash between reading and acknowledging replays the entry.
+(id 0) and only then new ones (id >), so nothing it had not finished with is lost. The trainer
+acknowledges an entry it trains on only once the update it fed is durable (checkpointed or published,
+drafter_trainer/online.py), and at once one it will not train on; the delivery is at least once: a
+crash between reading and acknowledging replays the entry.
 
 An entry the trainer cannot use (it fails decode_record's checks) is moved to the dead-letter stream
 `<stream>:dead` with its reason and acknowledged in one transaction: it is never read again, and an
@@ -73,6 +74,10 @@ class ReplaySource:
                     continue
                 out.append((eid, data))
         return out
+
+    def rewind(self) -> None:
+        """Read this consumer's pending list again from its start (after a round that failed half-way)."""
+        self._pending_cursor = "0"
 
     def ack(self, entry_ids: list[str]) -> int:
         if not entry_ids:

@@ -123,3 +123,31 @@ def test_hostile_records_go_to_the_dead_letters_and_training_goes_on(tmp_path, t
     finally:
         ray.get(actor.stop.remote(), timeout=30)
         ray.kill(actor)
+
+
+def test_a_persistent_failure_restarts_the_actor_and_it_trains_on(tmp_path, tiny_llama_dir, ray_local,
+                                                                 redis_server, continuations) -> None:
+    from cluster.trainer_actor import start_trainer_actor
+    from workers.drafters.versions import META_FILE, read_current, version_dir
+
+    ray, stream = ray_local, "s-persistent"
+    cfg = _config(tmp_path, tiny_llama_dir, stream, "trainer.max_restarts=2")
+    actor = start_trainer_actor(cfg, redis_server.endpoint)
+    try:
+        first = _wait(lambda: _stats(ray, actor), "the trainer to start")
+        assert not first["restarted"]
+        store = Path(first["store"])
+        broken = read_current(store)
+        (version_dir(store, broken) / META_FILE).write_text("{not json")   # every poll fails from now on
+        after = _wait(lambda: (st := _stats(ray, actor)) and st["pid"] != first["pid"] and st,
+                      "Ray to restart the actor")
+        assert after["restarted"] and after["failures"] == 0 and after["alive"]
+        assert read_current(store) == after["serving_version"]
+        assert any(p.name.startswith(f".broken-{broken}") for p in (store / "versions").iterdir())
+        client = redis_server.endpoint.client()
+        for i, (p, o) in enumerate(continuations[:8]):
+            client.xadd(stream, {RECORD_FIELD: encode_record(make_record(i, p, o, "tiny-t"))})
+        _wait(lambda: (st := _stats(ray, actor)) and st["updates"] >= 1, "an update after the restart")
+    finally:
+        ray.get(actor.stop.remote(), timeout=30)
+        ray.kill(actor)

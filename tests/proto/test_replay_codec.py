@@ -81,7 +81,7 @@ def _hostile(**change):
     b.step([8, 9], accepted=1, bonus=False, emitted=[8, 10], drafter_version="v1")
     b.teacher_topk(0, torch.tensor([[7, 1], [8, 2], [10, 3]]), torch.full((3, 2), -1.0))
     rec = b.finish()
-    for key, fn in change.items():
+    for fn in change.values():
         fn(rec)
     return encode_record(rec)
 

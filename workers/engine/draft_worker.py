@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
 from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
 from workers.drafters.registry import drafter_class
+from workers.drafters.versions import write_pin
 from workers.engine.gc_freeze import freeze_loaded_objects
 from workers.engine.host_memory import keep_freed_memory
 from workers.engine.profile import profile_drafter
@@ -201,6 +202,7 @@ class DraftWorker:
         verified in the background and applied between steps, like any swap; returns the serving one."""
         if self._swapper is None:
             raise ValueError("this drafter follows no version store (online training is off)")
+        write_pin(self._swapper.root, version or None)   # VersionError for an unpublished version
         self._swapper.pin = version or None
         return self.drafter.weights_drafter.version
 
