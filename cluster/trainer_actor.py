@@ -187,8 +187,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         s = trainer.stats
         if s.updates != updates:
             updates = s.updates
-            print(f"update {s.updates}: records_seen={s.records_seen} loss={s.last_loss:.4f} "
-                  f"serving={s.serving_version} publishes={s.publishes} rollbacks={s.rollbacks}", flush=True)
+            print(f"update {s.updates}: records_seen={s.records_seen} optimizer_steps={s.optimizer_steps} "
+                  f"loss={s.last_loss:.4f} serving={s.serving_version} publishes={s.publishes} "
+                  f"rollbacks={s.rollbacks} resumed={s.resumed}", flush=True)
     return 0
 
 
