@@ -88,13 +88,17 @@ async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | 
         await parts.trainer.stats.remote()
         for d in parts.drafters:
             await d.watch_versions(parts.store, str(model_dir), SWAP_POLL_S)
-            if version_pin:
-                await d.pin_version(version_pin)
     except Exception:  # the trainer is optional: serving goes on with the drafter it has
         log.exception("online trainer failed to start; serving continues without it")
         parts.drafters = []
         return
     log.info("online trainer up; drafters follow %s", parts.store)
+    if version_pin:
+        try:
+            for d in parts.drafters:
+                await d.pin_version(version_pin)
+        except Exception as exc:  # an unpublished version is refused: the drafters follow CURRENT
+            log.error("drafter.version_pin=%s refused (%s); following CURRENT", version_pin, exc)
 
 
 async def follow_again(parts: OnlineParts, replica: int, model_dir: str,
@@ -105,7 +109,11 @@ async def follow_again(parts: OnlineParts, replica: int, model_dir: str,
     d = parts.drafters[replica]
     await d.watch_versions(parts.store, str(model_dir), SWAP_POLL_S)
     if version_pin:
-        await d.pin_version(version_pin)
+        try:
+            await d.pin_version(version_pin)
+        except Exception as exc:  # refused (unpublished, or pruned since it was unpinned)
+            log.error("drafter.version_pin=%s refused (%s); replica %d follows CURRENT", version_pin, exc,
+                      replica)
 
 
 class OnlineMetrics:
