@@ -105,7 +105,7 @@ class ManagedRedis:
             return RedisEndpoint(url=f"redis://127.0.0.1:{self.port}/0", password=self.password)
         if self.socket_path is None:
             raise RuntimeError("ManagedRedis is not started")
-        return RedisEndpoint(url=f"unix://{self.socket_path}?db=0", password=self.password)
+        return RedisEndpoint(url=f"unix://{self.socket_path}", password=self.password)   # db 0
 
     def _private_dir(self) -> str:
         """This server's directory, created 0700 by this process; the same path again after a stop
