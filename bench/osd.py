@@ -238,8 +238,7 @@ def serving_at_domain_end(rows: list[dict | None], store: Path | None = None,
     Without it, or when the store's CURRENT is not its newest version (a rollback, whose time the store
     does not keep): the version that drafted the segment's last drafted request. That one alone
     understates: where the goodput policy stopped drafting with the model drafter, the last version to
-    draft may have been replaced long before (2026-11-25: HumanEval's `after` was read as online-0007,
-    which drafted last at request ~609, while online-0012 had served since about request 780)."""
+    draft may have been replaced long before (docs/decisions/osd-evaluation.md)."""
     drafted: dict[str, str] = {}
     ended: dict[str, float] = {}
     for r in rows:

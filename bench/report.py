@@ -183,13 +183,23 @@ TABLE_COLUMNS = (
 )
 
 
-def table_cells(row: dict[str, Any]) -> list[str]:
+def table_cells(row: dict[str, Any], columns=TABLE_COLUMNS) -> list[str]:
     return [str(row[k]) if spec is None else _interval(row.get(k)) if spec == "interval"
-            else _fmt(row.get(k), spec, sfx) for _, k, spec, sfx in TABLE_COLUMNS]
+            else _fmt(row.get(k), spec, sfx) for _, k, spec, sfx in columns]
 
 
 def _interval(value: list[float] | None) -> str:
     return "-" if not value else f"{value[0]:.3f}-{value[1]:.3f}"
+
+
+def markdown_table(rows: list[dict[str, Any]], columns=TABLE_COLUMNS) -> str:
+    """The rows as a Markdown table, with the same column specs and formatting as render_table's
+    (scripts/results_tables.py writes the docs' tables with it)."""
+    lines = ["| " + " | ".join(header for header, *_ in columns) + " |",
+             "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(table_cells(row, columns)) + " |")
+    return "\n".join(lines)
 
 
 def render_table(rows: list[dict[str, Any]], title: str = "specd bench engine"):

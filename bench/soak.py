@@ -5,7 +5,8 @@ clients that each stream one greedy request after another (GSM8K and HumanEval e
 for D minutes. It counts errors (any failed request is one), samples the RSS of every process of the
 server's tree (router, Ray workers, redis-server) every few seconds, and reports TPOT p50/p99 per time
 window. After the warm-up it compares each process's RSS with its RSS at the end of the warm-up: the
-growth is the figure README bounds. `--json` writes everything, `--plot` a PNG of RSS and TPOT over time.
+growth is the figure docs/reliability.md bounds. `--json` writes everything, `--plot` a PNG of RSS and
+TPOT over time.
 
     specd bench soak                                    # 32 clients, 10 minutes
     specd bench soak --clients 4 --minutes 0.5          # a smoke run

@@ -17,12 +17,18 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import sys
 import threading
+import typing
 
 import grpc
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Quote, QuotedString
+from hydra.errors import HydraException
 
-from configs import ConfigError, flatten, load_config
+from cluster.redact import redact_config, redact_text
+from configs import ConfigError, SpecdConfig, flatten, load_config
 from proto.specd.v1 import serving_pb2, serving_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,9 +41,56 @@ LIVE_KEYS = (
 _HYDRA_LOCK = threading.Lock()
 
 
+def _string_keys(node: type = SpecdConfig, prefix: str = "") -> frozenset[str]:
+    """Flattened keys whose schema type is str or str | None (free text, unlike enums and numbers)."""
+    keys: set[str] = set()
+    for name, hint in typing.get_type_hints(node).items():
+        if dataclasses.is_dataclass(hint):
+            keys |= _string_keys(hint, f"{prefix}{name}.")
+        elif hint is str or set(typing.get_args(hint)) == {str, type(None)}:
+            keys.add(f"{prefix}{name}")
+    return frozenset(keys)
+
+
+_STRING_KEYS = _string_keys()
+
+
+def quote_string(value: str) -> str:
+    """`value` as a quoted Hydra override value that composes back to exactly `value`: `=`, `,`, spaces
+    and quotes are literal inside quotes, and a `${` is escaped so OmegaConf does not resolve it (each
+    backslash right before it doubled, then one more, as OmegaConf's escape grammar reads them)."""
+    escaped = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    return QuotedString(text=escaped, quote=Quote.single).with_quotes()
+
+
 def _as_override(key: str, text: str) -> str:
+    """The running value of `key` (configs.flatten text) as an override that sets it back exactly."""
+    if key in _STRING_KEYS and text != "null":
+        return f"{key}={quote_string(text)}"
     # dict keys (custom Ray resources) need `++` to be set whole in a struct config
     return f"++{key}={text}" if key.endswith("resources") and text != "{}" else f"{key}={text}"
+
+
+def _check_override(override: str) -> None:
+    """Refuse what a client may not send: anything but key=value of a live key, and any interpolation
+    or resolver (`${oc.env:...}` would read the server's environment into the config)."""
+    if "=" not in override or override.startswith(("+", "~")):
+        raise ConfigError(f"{override!r} is not allowed: give key=value of a live key")
+    key = override.split("=", 1)[0]
+    if key not in LIVE_KEYS:
+        raise ConfigError(f"{key} cannot change on a running server (restart with it); live keys: "
+                          + ", ".join(LIVE_KEYS))
+    # checked on the raw text as well as the parsed value: `${` anywhere (quoted, escaped, in a list)
+    # is refused, so nothing the client sends is ever resolved
+    if "${" in override:
+        raise ConfigError(f"{key}: interpolations and resolvers (${{...}}) are not allowed in live "
+                          "overrides; give a literal value")
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except HydraException as exc:
+        raise ConfigError(f"{key}: not a valid override value ({' '.join(str(exc).split())})") from exc
+    if parsed.is_sweep_override():
+        raise ConfigError(f"{key}: sweeps (a,b / choice / range / glob) are not allowed; give one value")
 
 
 def plan_update(current: dict[str, str], overrides: list[str]):
@@ -46,12 +99,7 @@ def plan_update(current: dict[str, str], overrides: list[str]):
     if not overrides:
         raise ConfigError("no overrides given; live keys: " + ", ".join(LIVE_KEYS))
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if "=" not in override or override.startswith(("+", "~")):
-            raise ConfigError(f"{override!r} is not allowed: give key=value of a live key")
-        if key not in LIVE_KEYS:
-            raise ConfigError(f"{key} cannot change on a running server (restart with it); live keys: "
-                              + ", ".join(LIVE_KEYS))
+        _check_override(override)
     base = [_as_override(k, v) for k, v in current.items()]
     with _HYDRA_LOCK:
         cfg = load_config(base + list(overrides))
@@ -89,20 +137,21 @@ class AdminServicer(serving_pb2_grpc.SpecdAdminServicer):
                 cfg, changed = await asyncio.to_thread(plan_update, dict(backend.config),
                                                        list(request.overrides))
             except ConfigError as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, redact_text(str(err)))
             if "drafter.version_pin" in changed:
                 pin = cfg.drafter.version_pin
                 try:
                     await asyncio.gather(*[d.pin_version.remote(pin) for d in backend.drafters])
                 except Exception as err:  # the actor's error text says why (no version store, ...)
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"drafter.version_pin={pin!r} is not allowed: {err}")
+                                        redact_text(f"drafter.version_pin={pin!r} is not allowed: {err}"))
             backend.bounds = apply_bounds(backend.bounds, cfg)
             backend.config = {**backend.config, **changed}
             if backend.metrics is not None:
                 backend.metrics.set_live_config(backend.bounds, cfg.drafter.version_pin)
-            log.info("live config changed: %s", changed)
-            return serving_pb2.SetConfigResponse(changed=changed, config=backend.config)
+            log.info("live config changed: %s", redact_config(changed))
+            return serving_pb2.SetConfigResponse(changed=redact_config(changed),
+                                                 config=redact_config(backend.config))
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -129,6 +178,9 @@ def _cmd_admin(args: argparse.Namespace) -> int:
                     print(f"{key}={config.get(key, '<unknown key>')}")
     except grpc.RpcError as err:
         print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            print("the server has no admin service: off loopback it needs server.admin_token_file or "
+                  "server.admin_token_env", file=sys.stderr)
         return 1
     return 0
 

@@ -4,8 +4,10 @@ Every RPC except grpc.health.v1 (kubelet probes, load balancers) and server refl
 metadata `authorization: Bearer <token>` when the server has tokens; a missing or wrong token gets
 UNAUTHENTICATED before the servicer runs. Tokens come from a file (one per line, so a rotation can
 hold the old and the new token at once) or an environment variable, never from the command line,
-where `ps` would show them to every user of the machine. All of it is off by default, which suits
-the default loopback bind; the Helm chart turns it on.
+where `ps` would show them to every user of the machine; a token file is re-read when it changes, and
+so are the TLS files (cluster/tls.py), so rotations need no restart. All of it is off by default, which
+suits the default loopback bind (a non-loopback bind without a token is refused unless
+server.insecure=true); the Helm chart turns it on. docs/security.md has the threat model.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+
+from cluster.tls import ReloadingCertificates, server_credentials
+from configs.validate import OPEN_BIND_HELP, is_loopback_host, open_bind_refused
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +32,6 @@ OPEN_METHOD_PREFIXES = (
     "/grpc.reflection.v1alpha.ServerReflection/",
     "/grpc.reflection.v1.ServerReflection/",
 )
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def read_tokens(token_file: str | None = None, token_env: str | None = None,
@@ -48,6 +52,44 @@ def read_tokens(token_file: str | None = None, token_env: str | None = None,
             raise ValueError(f"server.{key}_env={token_env!r}: the variable is unset or empty")
         tokens.append(value)
     return tuple(tokens)
+
+
+class TokenSet:
+    """Accepted tokens: the lines of a file, re-read whenever its size or mtime changes (so a rotation
+    takes effect without a restart), plus the value of an environment variable (fixed for the
+    process). A file that turns unreadable or empty keeps the last good tokens, with a warning: a
+    half-written rotation must not lock every client out."""
+
+    def __init__(self, token_file: str | None = None, token_env: str | None = None,
+                 key: str = "auth_token", static: tuple[str, ...] = ()):
+        self.file, self.key = token_file, key
+        self._env = tuple(t.encode() for t in (*static, *read_tokens(None, token_env, key)))
+        self._stamp: tuple[int, int] | None = None
+        self._from_file: tuple[bytes, ...] = ()
+        if token_file:
+            self._stamp = self._stat()
+            self._from_file = tuple(t.encode() for t in read_tokens(token_file, None, key))
+
+    def _stat(self) -> tuple[int, int]:
+        st = os.stat(self.file)
+        return st.st_mtime_ns, st.st_size
+
+    def current(self) -> tuple[bytes, ...]:
+        if self.file:
+            try:
+                stamp = self._stat()
+                if stamp != self._stamp:
+                    self._from_file = tuple(t.encode() for t in read_tokens(self.file, None, self.key))
+                    self._stamp = stamp
+                    log.info("server.%s_file re-read: %d token(s)", self.key, len(self._from_file))
+            except (OSError, ValueError) as exc:
+                log.warning("server.%s_file changed but cannot be used (%s); keeping the last tokens",
+                            self.key, type(exc).__name__ if isinstance(exc, OSError) else exc)
+        return self._from_file + self._env
+
+
+def _token_set(tokens: TokenSet | tuple[str, ...]) -> TokenSet:
+    return tokens if isinstance(tokens, TokenSet) else TokenSet(static=tuple(tokens))
 
 
 def client_token(token_file: str | None = None, token_env: str | None = None) -> str | None:
@@ -94,17 +136,29 @@ def _matches(authorization: str | None, tokens: tuple[bytes, ...]) -> bool:
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <one of tokens>` (health and reflection exempt).
 
-    Admin calls (SpecdAdmin) need one of admin_tokens when there are any, else one of tokens; with
-    neither they are refused (a server without tokens gets this interceptor only off loopback)."""
+    Admin calls (SpecdAdmin) need one of admin_tokens when there are any; without admin tokens they
+    take a user token only where admin_falls_back (a loopback server: whoever can reach it runs on the
+    machine already), else they are refused. Off loopback an admin token is always its own secret."""
 
-    def __init__(self, tokens: tuple[str, ...], admin_tokens: tuple[str, ...] = ()):
-        self._tokens = tuple(t.encode() for t in tokens)
-        self._admin = tuple(t.encode() for t in admin_tokens)
+    def __init__(self, tokens: TokenSet | tuple[str, ...], admin_tokens: TokenSet | tuple[str, ...] = (),
+                 admin_falls_back: bool = True):
+        self._token_set = _token_set(tokens)
+        self._admin_set = _token_set(admin_tokens)
+        self._admin_falls_back = admin_falls_back
+
+    @property
+    def _tokens(self) -> tuple[bytes, ...]:
+        return self._token_set.current()
+
+    @property
+    def _admin(self) -> tuple[bytes, ...]:
+        return self._admin_set.current()
 
     def allowed(self, authorization: str | None, admin: bool = False) -> bool:
         if admin:
-            return _matches(authorization, self._admin or self._tokens)
-        return not self._tokens or _matches(authorization, self._tokens)
+            return _matches(authorization, self._admin or (self._tokens if self._admin_falls_back else ()))
+        tokens = self._tokens
+        return not tokens or _matches(authorization, tokens)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -117,9 +171,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         admin = method.startswith(ADMIN_METHOD_PREFIX)
         if self.allowed(authorization, admin):
             return handler
-        if admin and not (self._admin or self._tokens):
+        if admin and not (self._admin or (self._tokens and self._admin_falls_back)):
             return _deny(handler, "admin RPCs on a non-loopback server need server.admin_token_file or "
-                                  "admin_token_env (or server.auth_token_file/env)")
+                                  "server.admin_token_env")
         reason = "missing bearer token" if not authorization else "invalid bearer token"
         what = "admin token" if admin and self._admin else "token"
         return _deny(handler, f"{reason}: send metadata 'authorization: Bearer <{what}>'")
@@ -131,41 +185,42 @@ class ServerSecurity:
 
     credentials: grpc.ServerCredentials | None
     interceptors: tuple[grpc.aio.ServerInterceptor, ...]
+    insecure: bool = False      # off loopback without a bearer token (server.insecure=true)
+    # SpecdAdmin is served: always on loopback; off loopback only with an admin token of its own
+    admin_service: bool = True
+    certificates: ReloadingCertificates | None = field(default=None, compare=False)   # TLS files
 
     @classmethod
     def from_config(cls, server) -> ServerSecurity:
         """`server` is configs.schema.ServerConfig; file problems fail here, before anything loads."""
-        credentials = None
+        credentials = certificates = None
         if server.tls_cert_file or server.tls_key_file:
             if not (server.tls_cert_file and server.tls_key_file):
                 raise ValueError("server.tls_cert_file and server.tls_key_file must be set together")
-            key = _read(server.tls_key_file, "tls_key_file")
-            cert = _read(server.tls_cert_file, "tls_cert_file")
-            ca = server.tls_client_ca_file
-            roots = _read(ca, "tls_client_ca_file") if ca else None
-            credentials = grpc.ssl_server_credentials(
-                [(key, cert)], root_certificates=roots, require_client_auth=roots is not None
-            )
+            credentials, certificates = server_credentials(server)
         elif server.tls_client_ca_file:
             raise ValueError("server.tls_client_ca_file (mutual TLS) needs server.tls_cert_file and "
                              "server.tls_key_file")
-        tokens = read_tokens(server.auth_token_file, server.auth_token_env)
-        admin = read_tokens(server.admin_token_file, server.admin_token_env, key="admin_token")
-        loopback = server.host in LOOPBACK_HOSTS
+        token_set = TokenSet(server.auth_token_file, server.auth_token_env)
+        admin_set = TokenSet(server.admin_token_file, server.admin_token_env, key="admin_token")
+        tokens, admin = token_set.current(), admin_set.current()
+        loopback = is_loopback_host(server.host)
+        if open_bind_refused(server.host, bool(tokens), server.insecure):
+            raise ValueError(f"server.host={server.host!r}: {OPEN_BIND_HELP}")
         # no interceptor at all only on a loopback host without tokens: everything open there
         needed = tokens or admin or not loopback
-        interceptors = (BearerAuthInterceptor(tokens, admin),) if needed else ()
+        interceptors = ((BearerAuthInterceptor(token_set, admin_set, admin_falls_back=loopback),)
+                        if needed else ())
+        admin_service = loopback or bool(admin)
+        if not admin_service:
+            log.warning("no admin token (server.admin_token_file / server.admin_token_env) on non-loopback "
+                        "%s: the admin service (SpecdAdmin, `specd admin set`) is not served", server.host)
         if not loopback and not (credentials and tokens):
-            log.warning("serving on %s without %s: anyone who reaches the port can use it", server.host,
-                        " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on))
-        return cls(credentials, interceptors)
-
-
-def _read(path: str, key: str) -> bytes:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"server.{key}={path!r}: no such file")
-    return p.read_bytes()
+            log.warning("serving on %s without %s%s: anyone who reaches the port can use it", server.host,
+                        " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on),
+                        " (server.insecure=true)" if not tokens else "")
+        return cls(credentials, interceptors, insecure=not loopback and not tokens,
+                   admin_service=admin_service, certificates=certificates)
 
 
 def client_channel_credentials(

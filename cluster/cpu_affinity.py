@@ -3,8 +3,8 @@
 With Intel OpenMP preloaded (LD_PRELOAD=libiomp5.so, as vLLM's CPU backend recommends) and a torch op
 run before ray.init (the drafter check, a quick bootstrap), the raylet that ray.init starts comes up
 pinned to CPU 0, and every worker it forks inherits that: on this 2-core machine the target, the
-drafter and the online trainer all ran on CPU 0 while CPU 1 sat idle (45% of the machine idle; the
-trainer, under SCHED_IDLE, got 7% of a core). Ray keeps a parent's affinity (ray-project/ray#35984).
+drafter and the online trainer all ran on CPU 0 while CPU 1 sat idle (docs/decisions/cpu-affinity.md).
+Ray keeps a parent's affinity (ray-project/ray#35984).
 
 The driver passes the CPUs it may run on (its own affinity: an operator's `taskset` still holds) to
 every worker process of a local cluster, whose setup hook applies them to all its threads before an

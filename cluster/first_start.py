@@ -1,13 +1,13 @@
 """A fast first start: `specd serve` on a machine where no drafter has been bootstrapped yet.
 
-The full offline bootstrap (`specd bootstrap-drafter`, about 55 minutes here) is no longer needed to
+The full offline bootstrap (`specd bootstrap-drafter`, most of an hour on a CPU) is no longer needed to
 serve. With drafter.path unset and no bootstrapped drafter in the cache, serve uses the quick drafter
 (`boot-quick`, and `boot-quick-hidden` that reads the target's hidden states), building it first when
 it is missing too: a couple of minutes on 2 CPU cores (the bootstrap's --quick preset). Online
 distillation then improves it on live traffic. A bootstrapped drafter, when there is one, wins.
 
-A quick drafter in the cache that an earlier version built from other prompt sources (the quick preset
-learned GSM8K and HumanEval until 2026-11-26, general chat turns since) is rebuilt once: a machine that
+A quick drafter in the cache that an earlier version built from other prompt sources (its specd_drafter.json
+names them; docs/decisions/quick-drafter-general-turns.md) is rebuilt once: a machine that
 upgrades starts from the same drafter a fresh one does.
 """
 

@@ -25,12 +25,14 @@ follow the glossary: drafted, accepted, recovered, bonus, step, gamma.
                                          of the guard's recent windows at the current load
     specd_guard_windows_total            counter by replica and mode: the guard's measured windows
     specd_guard_skipped_steps_total      counter by replica: steps the guard kept from drafting
+    specd_server_insecure                gauge: 1 while serving off loopback without a token
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cluster.redact import redact_text
 from cluster.scheduler import SchedulerObserver, ServedStats
 from workers.engine.types import Draft, VerifyResult
 
@@ -84,6 +86,8 @@ class SpecdMetrics(SchedulerObserver):
         self.drafter_down = Gauge("specd_drafter_down", "1 while a replica's drafter has failed and not "
                                   "answered again (its requests are decoded target-only)", ["replica"],
                                   registry=r)
+        self.server_insecure = Gauge("specd_server_insecure", "1 while the gRPC port listens off loopback "
+                                     "without a bearer token (server.insecure=true)", registry=r)
         self._drafter_counts: dict[str, tuple[int, int]] = {}
         self.drafter_version = Gauge("specd_drafter_version_info", "Drafter version a replica last used",
                                      ["replica", "drafter_version"], registry=r)
@@ -121,7 +125,7 @@ class SpecdMetrics(SchedulerObserver):
             self.live.labels(key=key).set(value)
         self.live_policy.clear()
         self.live_policy.labels(policy=str(bounds.policy_default),
-                                version_pin=version_pin or "").set(1)
+                                version_pin=redact_text(version_pin or "")).set(1)
         self.live_changes.inc()
 
     def on_queue(self, waiting: int, running: int) -> None:

@@ -42,6 +42,7 @@ class OnlineParts:
 
 def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistry | None) -> OnlineParts:
     """Start what config asks for; `drafters`: the replicas' DraftWorkers (Ray actor handles)."""
+    from cluster.redact import redact_text
     from cluster.redis_server import open_redis
     from cluster.replay import ReplayRecorder
     from cluster.replay_writer import ReplayWriter
@@ -61,7 +62,7 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
                                 socket_timeout_s=r.socket_timeout_s, retry_s=r.retry_s, registry=registry)
     parts.writer.start()
     parts.recorder = ReplayRecorder(parts.writer, target_checksum(model_dir))
-    log.info("replay records -> %s stream %s (MAXLEN ~%d)", endpoint.url, r.stream, r.maxlen)
+    log.info("replay records -> %s stream %s (MAXLEN ~%d)", redact_text(endpoint.url), r.stream, r.maxlen)
     if not cfg.trainer.enabled:
         return parts
     from workers.drafters.registry import drafter_class

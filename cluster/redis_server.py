@@ -51,7 +51,9 @@ class RedisEndpoint:
         )
 
     def __repr__(self) -> str:  # the password never reaches a log line
-        return f"RedisEndpoint(url={self.url!r})"
+        from cluster.redact import redact_text
+
+        return f"RedisEndpoint(url={redact_text(self.url)!r})"
 
 
 def endpoint_from_config(replay_cfg) -> RedisEndpoint:

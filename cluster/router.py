@@ -1,7 +1,8 @@
 """The gRPC router (grpc.aio): validates requests, admits them to the scheduler, streams tokens and text.
 
 The tokenizer lives here, not in the workers: prompts are rendered and encoded once, and generated
-tokens are decoded incrementally for text deltas and stop strings. Standard grpc.health.v1 says
+tokens are decoded incrementally for text deltas and stop strings. Standard grpc.health.v1 (with the
+liveness and readiness services of cluster/health_probe.py) says
 NOT_SERVING until the backend (models loaded and warm) is attached, and server reflection lets a
 generic client (grpcurl, grpcui) discover the API.
 
@@ -12,9 +13,11 @@ failed on the request. A client cancel or deadline aborts the request, which fre
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -23,9 +26,12 @@ from grpc_reflection.v1alpha import reflection
 
 from cluster.admin import AdminServicer
 from cluster.auth import ServerSecurity
+from cluster.health_probe import SpecdHealth
 from cluster.metrics import SpecdMetrics
+from cluster.redact import redact_config
 from cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
 from cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
+from configs.validate import is_loopback_host
 from proto.specd.v1 import serving_pb2, serving_pb2_grpc
 from workers.engine.types import FinishReason, NewRequest
 
@@ -33,6 +39,7 @@ from workers.engine.types import FinishReason, NewRequest
 _WORKER_FIELDS = frozenset(serving_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
 
 log = logging.getLogger(__name__)
+TOKENIZER_THREADS = 4
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Specd"].full_name   # "specd.v1.Specd"
 ADMIN_SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["SpecdAdmin"].full_name
@@ -137,6 +144,12 @@ class Backend:
 class SpecdServicer(serving_pb2_grpc.SpecdServicer):
     def __init__(self, backend: Backend | None = None):
         self.backend = backend
+        # Prompts are tokenized off the event loop, so a long one never stalls the streams, and on a few
+        # threads, so one slow prompt does not hold up the next request's (validation bounds a prompt's
+        # characters first, so each tokenization is short). Concurrent calls are safe: the router never
+        # changes the tokenizer's truncation or padding, the only state a fast tokenizer mutates.
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS,
+                                                 thread_name_prefix="specd-tokenize")
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Backend:
         if self.backend is None:
@@ -149,7 +162,8 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
         """The stream of one request: deltas, then one final message. Shared by both RPCs."""
         b = await self._ready(context)
         try:
-            valid = validate_request(request, b.bounds, b.codec)
+            valid = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_pool, validate_request, request, b.bounds, b.codec)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = uuid.uuid4().hex
@@ -248,7 +262,7 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
                      for w in workers],
             gamma_policy_default=str(bounds.policy_default),
             tree_width_default=bounds.tree_width_default,
-            config=b.config,
+            config=redact_config(b.config),      # never a Redis password
         )
 
 
@@ -261,17 +275,22 @@ class GrpcServer:
         """security: TLS credentials and the bearer-token interceptor (None = plaintext, open);
         health_port: a plaintext port serving grpc.health.v1 only, for kubelet probes."""
         self.servicer = servicer
+        self.security = security
         options = ([("grpc.max_receive_message_length", max_message_bytes),
                     ("grpc.max_send_message_length", max_message_bytes)] if max_message_bytes else [])
         interceptors = security.interceptors if security else ()
         self.server = grpc.aio.server(interceptors=interceptors, options=options)
         serving_pb2_grpc.add_SpecdServicer_to_server(servicer, self.server)
-        serving_pb2_grpc.add_SpecdAdminServicer_to_server(AdminServicer(servicer), self.server)
-        self.health = health.aio.HealthServicer()
+        # off loopback the admin service exists only with an admin token of its own (ServerSecurity)
+        self.admin = security.admin_service if security else is_loopback_host(host)
+        if self.admin:
+            serving_pb2_grpc.add_SpecdAdminServicer_to_server(AdminServicer(servicer), self.server)
+        self.serving_verdict = True          # the HealthProber's last verdict (set_serving)
+        self.health = SpecdHealth(alive=self._alive, ready=self._ready)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        services = (SERVICE_NAME, *((ADMIN_SERVICE_NAME,) if self.admin else ()), health.SERVICE_NAME,
+                    reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, self.server)
         self.bind_host = f"[{host}]" if ":" in host else host
         credentials = security.credentials if security else None
         self.tls = credentials is not None
@@ -295,13 +314,24 @@ class GrpcServer:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
-        await self.set_serving(self.servicer.backend is not None)
+        await self.set_serving(True)
+
+    def _alive(self) -> bool:
+        backend = self.servicer.backend
+        return backend is None or backend.scheduler.loops_alive()
+
+    def _ready(self) -> bool:
+        backend = self.servicer.backend
+        return backend is not None and self.serving_verdict and backend.scheduler.can_admit()
 
     async def set_serving(self, serving: bool) -> None:
+        """The serving verdict ("" and specd.v1.Specd); readiness follows it (cluster/health_probe.py)."""
         states = health_pb2.HealthCheckResponse
-        status = states.SERVING if serving else states.NOT_SERVING
+        self.serving_verdict = serving
+        status = states.SERVING if serving and self.servicer.backend is not None else states.NOT_SERVING
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
+        await self.health.refresh()
 
     async def attach(self, backend: Backend) -> None:
         """The models are loaded and warm: accept requests and report SERVING."""
@@ -313,3 +343,4 @@ class GrpcServer:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        self.servicer.tokenizer_pool.shutdown(wait=False)

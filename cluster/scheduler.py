@@ -183,6 +183,14 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def loops_alive(self) -> bool:
+        """False once a step loop has ended other than by stop(): the router can no longer serve."""
+        return self._closing or not any(t.done() for t in self._tasks)
+
+    def can_admit(self) -> bool:
+        """submit() would take a request now (a free slot or room in the queue)."""
+        return not self._closing and (self._has_free_slot() or len(self._waiting) < self.max_queue)
+
     def _has_free_slot(self) -> bool:
         return self.running() < self.max_running and any(r.size() < r.capacity for r in self.replicas)
 

@@ -155,6 +155,7 @@ async def _bring_up(
              len(infos))
 
     metrics = SpecdMetrics()
+    metrics.server_insecure.set(1.0 if security.insecure else 0.0)
     from cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
     from cluster.replay import ObserverFanout
 
@@ -283,7 +284,10 @@ async def _shut_down(res: _Resources) -> None:
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cluster.redact import install_log_redaction
     from configs import ConfigError
+
+    install_log_redaction()
 
     try:
         cfg = config_from_args(args)
@@ -399,7 +403,8 @@ def add_cli(subparsers) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--gamma", type=int, default=None, help="draft length budget per step")
     g.add_argument("--tree-width", type=int, default=None, help="1 = chain; >1 = token tree")
-    g.add_argument("--gamma-policy", default=None, help="fixed, egag, confidence or adaptive")
+    g.add_argument("--gamma-policy", default=None,
+                   help="goodput (the server's default), fixed, egag, confidence or adaptive")
     g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     g.set_defaults(func=_cmd_generate)

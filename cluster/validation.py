@@ -24,6 +24,10 @@ MAX_STOP_LENGTH = 256
 MAX_DOMAIN_LENGTH = 64
 MAX_REQUEST_ID_LENGTH = 128
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# server.max_prompt_chars unset: this many characters per token of the context. Real text averages
+# 3-5 characters per token; the longest SmolLM2 tokens are 81 (runs of spaces or '#'), so only a
+# prompt made mostly of such runs is refused before it could have fit.
+PROMPT_CHARS_PER_TOKEN = 32
 # The proto carries temperature as float32: compare with the float32 nearest to the bound.
 _MIN_TEMPERATURE_F32 = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]
 
@@ -57,6 +61,12 @@ class Bounds:
     tree_width_max: int = 4
     policy_default: str = "fixed"
     policies: tuple[str, ...] = tuple(sorted(GAMMA_POLICIES))
+    # longest text or chat prompt in characters, checked before tokenizing; 0 = derived from max_seq_len
+    max_prompt_chars: int = 0
+
+    @property
+    def prompt_chars_limit(self) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_seq_len
 
     @classmethod
     def from_config(cls, cfg: SpecdConfig, target_info: dict) -> Bounds:
@@ -73,6 +83,7 @@ class Bounds:
             tree_width_default=cfg.spec.tree_width,
             tree_width_max=cfg.spec.tree_width_max,
             policy_default=cfg.spec.policy,
+            max_prompt_chars=cfg.server.max_prompt_chars or 0,
         )
 
 
@@ -95,6 +106,7 @@ def _prompt(req: serving_pb2.GenerateRequest, bounds: Bounds, codec: TextCodec) 
     if kind == "text":
         if not req.text:
             raise InvalidRequest("empty prompt: text is empty")
+        _check_chars("text", len(req.text), bounds)
         ids = codec.encode(req.text)
     elif kind == "chat":
         messages = req.chat.messages
@@ -103,11 +115,17 @@ def _prompt(req: serving_pb2.GenerateRequest, bounds: Bounds, codec: TextCodec) 
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
                 raise InvalidRequest(f"chat.messages[{i}].role={m.role!r} is not one of {list(CHAT_ROLES)}")
+        _check_chars("chat", sum(len(m.content) for m in messages), bounds)
         try:
             ids = codec.render_chat([{"role": m.role, "content": m.content} for m in messages])
         except Exception as exc:  # a template may reject an order of roles; that is the client's input
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
     else:
+        if len(req.token_ids.ids) >= bounds.max_seq_len:    # before copying or scanning a huge list
+            raise InvalidRequest(
+                f"prompt has {len(req.token_ids.ids)} tokens; the context allows at most "
+                f"{bounds.max_seq_len - 1} (max_seq_len {bounds.max_seq_len} minus one generated token)"
+            )
         ids = list(req.token_ids.ids)
         if not ids:
             raise InvalidRequest("empty prompt: token_ids is empty")
@@ -125,6 +143,14 @@ def _prompt(req: serving_pb2.GenerateRequest, bounds: Bounds, codec: TextCodec) 
             f"(max_seq_len {bounds.max_seq_len} minus one generated token)"
         )
     return ids
+
+
+def _check_chars(kind: str, chars: int, bounds: Bounds) -> None:
+    """Refuse a text too long to fit before the tokenizer spends time on it."""
+    limit = bounds.prompt_chars_limit
+    if chars > limit:
+        raise InvalidRequest(f"the {kind} prompt has {chars} characters; at most {limit} "
+                             f"(server.max_prompt_chars)")
 
 
 def _sampling(opts: serving_pb2.SamplingOptions, bounds: Bounds) -> SamplingParams:

@@ -87,7 +87,7 @@ class TargetConfig:
     # weights and activations of the target: auto = bfloat16 on cuda, float32 on cpu; or float32,
     # bfloat16, float16
     dtype: DType = DType.auto
-    # decode forwards: auto = CUDA graphs on cuda, eager on cpu; or eager, static, graph (README: GPUs)
+    # decode forwards: auto = CUDA graphs on cuda, eager on cpu; or eager, static, graph (docs/gpus.md)
     decode: Decode = Decode.auto
     num_gpus: float = 0.0               # Ray GPUs per target replica; 0 on cuda = placed automatically
     num_cpus: float = 1.0               # Ray CPUs per target replica
@@ -103,9 +103,8 @@ class TargetConfig:
     max_seq_len: int = 2048             # context length of the KV cache: prompt + generated tokens
     num_threads: int | None = None      # torch intra-op threads on CPU; None = torch default
     # Fix glibc malloc's mmap and trim thresholds in the worker's process, so each step reuses the memory
-    # the last one freed instead of faulting it in again (workers/engine/host_memory.py; measured here: a
-    # fresh target-only process faulted 300-400 thousand pages per batch-16 group of 64 steps, ~5% of its
-    # time). False leaves malloc as it is.
+    # the last one freed instead of faulting it in again (workers/engine/host_memory.py;
+    # docs/decisions/slot-order-and-freed-memory.md). False leaves malloc as it is.
     keep_freed_memory: bool = True
 
 
@@ -113,7 +112,7 @@ class TargetConfig:
 class DrafterConfig:
     # workers.drafters.registry.DRAFTERS: model, ngram, hybrid, suffix. Default: the suffix index over
     # served traffic and each request's own context, with the model drafter where it promises more
-    # (README "Goodput-driven γ and the suffix drafter": what it measured against model alone).
+    # (docs/speculation.md).
     kind: DrafterKind = DrafterKind.suffix
     path: str | None = None             # drafter dir; None = the bootstrapped default in the cache
     # With path None: the bootstrapped drafter that reads the target's hidden states (boot-hidden), or,
@@ -121,14 +120,13 @@ class DrafterConfig:
     # vLLM does not hand its hidden states to a proposer.
     target_hidden: bool = True
     device: Device = Device.cpu         # cpu or cuda
-    # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token (measured here:
-    # 2.85 -> 1.95 ms per drafted token). Verification stays exact whatever its precision.
+    # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token
+    # (docs/decisions/model-drafter-defaults.md). Verification stays exact whatever its precision.
     dtype: DType = DType.bfloat16
     # CPU matmul weights: "int8" weight-only int8 rows, "onednn" pre-packed floats, or "none" (plain,
     # which is what a GPU gets whatever this says). int8 reads a quarter of the bytes of float32 per
-    # drafted token; measured here (GSM8K, batch 1, greedy, γ=3, 16 prompts, in one process): MAL 1.90
-    # vs 1.89, speed-up over target-only 1.61x vs 1.51x. Drafts change slightly; the target's
-    # verification keeps the output exact either way.
+    # drafted token at the same acceptance (docs/decisions/model-drafter-defaults.md). Drafts change
+    # slightly; the target's verification keeps the output exact either way.
     pack: Pack = Pack.int8
     decode: Decode = Decode.auto        # as target.decode, for the drafter's per-token propose forwards
     num_gpus: float = 0.0               # 0 on cuda: its own GPU on nodes with two or more, else half of one
@@ -163,9 +161,9 @@ class SpecConfig:
     # false = target-only decoding (requests may still turn it off one by one)
     enabled: bool = True
     # A request's draft-length budget when it does not say: the γ the fixed policy drafts, the most the
-    # others (goodput: the default) may plan. The fixed policy's best here was 3 (spec=chain; GSM8K,
-    # batch 1, greedy, 16 prompts: 1.61x over target-only vs 1.56x at 4); goodput plans up to 8 and
-    # drafts deep only where acceptance pays for it (long suffix matches).
+    # others (goodput: the default) may plan. spec=chain fixes 3, the fixed policy's best on a CPU
+    # (docs/decisions/model-drafter-defaults.md); goodput plans up to 8 and drafts deep only where
+    # acceptance pays for it (long suffix matches).
     gamma: int = 8
     gamma_min: int = 0                  # operator bounds a request's gamma must fall within
     gamma_max: int = 8                  # (gamma_min .. gamma_max) a request's gamma must fall within
@@ -183,8 +181,8 @@ class SpecConfig:
     guard_window_steps: int = 32
     # The in-process engine (`specd bench engine`, the demo) runs the guard too. Off by default: there the
     # drafter works in the target's thread, where the goodput cost model times it directly, and the
-    # guard's plain windows gave back what drafting gained (batch 4, 64 prompts: 1.13x and 1.06x without
-    # it, 1.01x with it); the router's drafter is an actor of its own, which the cost model cannot see.
+    # guard's plain windows gave back what drafting gained (docs/decisions/speculation-guard.md); the
+    # router's drafter is an actor of its own, which the cost model cannot see.
     guard_in_process: bool = False
     tree_width: int = 1                 # 1 = chain
     tree_width_max: int = 4             # widest token tree a request may ask for
@@ -224,15 +222,25 @@ class ServerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None     # PEM private key of tls_cert_file
     tls_client_ca_file: str | None = None  # PEM CA for mutual TLS; null = no client certificates
+    # Oldest TLS version accepted: "1.2" (gRPC's own floor; TLS 1.3 is offered and preferred) or "1.3",
+    # which grpcio cannot enforce yet and is refused at start (docs/security.md). The certificate files
+    # are re-read when they change.
+    tls_min_version: str = "1.2"
     # Bearer tokens every RPC but health and reflection needs: a file (one token per line, so a
     # rotation can hold two) and/or an environment variable's name. Never a token on the command line.
     auth_token_file: str | None = None
     auth_token_env: str | None = None   # name of an environment variable holding a token
     max_message_bytes: int = 4194304    # gRPC receive/send limit per message (4 MiB, gRPC's default)
+    # Longest text or chat prompt in characters, refused before tokenizing (a long text would hold the
+    # tokenizer for seconds); None = 32 x target.max_seq_len
+    max_prompt_chars: int | None = None
     # Tokens of the admin RPC (SpecdAdmin.SetConfig, `specd admin set`), file and/or variable name; unset
     # = the bearer tokens above; none at all = admin only on a loopback host.
     admin_token_file: str | None = None
     admin_token_env: str | None = None  # name of an environment variable holding the admin token
+    # A non-loopback host without auth_token_file/auth_token_env is refused at start; true serves it
+    # open on purpose (logged as a warning, exported as specd_server_insecure 1)
+    insecure: bool = False
 
 
 @dataclass
@@ -255,7 +263,7 @@ class ReplayConfig:
     tls_certfile: str | None = None     # rediss://: client certificate for mutual TLS
     tls_keyfile: str | None = None      # rediss://: client key for mutual TLS
     stream: str = "specd:replay"        # Redis Stream key of the records
-    maxlen: int = 20000                 # XADD MAXLEN ~ (approximate trim): the memory bound in README
+    maxlen: int = 20000                 # XADD MAXLEN ~ (approximate trim): the memory bound in docs/online.md
     queue_size: int = 1024              # records waiting for Redis; beyond it records are dropped
     socket_timeout_s: float = 1.0       # a slow Redis costs the writer thread this much, never serving
     retry_s: float = 1.0                # pause between reconnect attempts while Redis is away
@@ -277,7 +285,8 @@ class TrainerConfig:
     sched_idle: bool = True
     group: str = "specd-trainer"        # Redis consumer group: a restarted trainer resumes from it
     consumer: str = "trainer-0"         # Redis consumer name within the group
-    divergence: Divergence = Divergence.jsd    # forward_kl | reverse_kl | jsd | tvd (chosen: osd_replay.py)
+    # forward_kl | reverse_kl | jsd | tvd (docs/decisions/online-trainer-settings.md)
+    divergence: Divergence = Divergence.jsd
     jsd_beta: float = 0.5               # jsd: mixture weight of the teacher
     # all verified positions, or "rejected": weighted toward rejections
     positions: TrainPositions = TrainPositions.all
@@ -285,18 +294,16 @@ class TrainerConfig:
     # > 0: the prompt's positions are trained on too, with this weight (the teacher forward that labels
     # the output already runs over the prompt; records that carry the target's top-k, the vLLM backend's,
     # then get a teacher forward too); the gate scores output positions only. 0.3 and 1.0 both beat 0 on
-    # a replayed stream (README "Online adaptation")
+    # a replayed stream (docs/decisions/online-trainer-settings.md)
     prompt_weight: float = 0.3
     teacher_topk: int = 32              # the teacher forward keeps the target's top-k per position
     # compute precision of the teacher forward and the training steps (weights and AdamW state stay
     # float32): auto = bfloat16 on cuda and on CPUs with native bfloat16 (avx512_bf16 / amx_bf16),
-    # float32 elsewhere; float16 is refused (it would need loss scaling). Measured on this project's
-    # AVX-512-bf16 CPU, one thread: a teacher forward 0.43 -> 0.28 s per record, a training step
-    # 0.96 -> 0.59 s (README "Online adaptation")
+    # float32 elsewhere; float16 is refused (it would need loss scaling).
+    # docs/decisions/trainer-precision.md
     dtype: DType = DType.auto
-    # lr, warm-up, steps and round size chosen with scripts/osd_replay.py on a recorded 800-request stream
-    # (README "Online adaptation"): 24 steps per 32 new records at 3e-4 learned about twice what 8 steps
-    # per 64 at 1e-4 did; 1e-3 knocked the drafter down before it learned
+    # lr, warm-up, steps and round size: chosen by replaying a recorded stream through the trainer
+    # (docs/decisions/online-trainer-settings.md)
     lr: float = 3e-4                    # AdamW learning rate
     weight_decay: float = 0.0           # AdamW weight decay
     warmup_steps: int = 5               # linear learning-rate warm-up (optimizer steps) from each start
@@ -311,8 +318,8 @@ class TrainerConfig:
     gate_gamma: int = 4                 # the gate scores the first γ positions of each step
     gate_margin: float = 0.01           # publish when expected acceptance beats the serving version by this
     keep_versions: int = 5              # published versions kept on disk
-    # live steps of a new version compared with its parent's: ~30 requests of 48 tokens (200 steps,
-    # ~7 requests, rolled good versions back on the noise between requests)
+    # live steps of a new version compared with its parent's: ~30 requests of 48 tokens (shorter windows
+    # roll good versions back on the noise between requests: docs/decisions/rollback-per-domain.md)
     rollback_window_steps: int = 1000
     rollback_margin: float = 0.05       # roll back when its acceptance is this much below its parent's
     collapse_steps: int = 50            # after this many live steps ...

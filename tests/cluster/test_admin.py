@@ -137,3 +137,57 @@ def test_plan_update_keeps_every_other_key() -> None:
     assert set(changed) <= set(LIVE_KEYS)
     with pytest.raises(ConfigError, match="spec.tree_width=9"):
         plan_update(current, ["spec.tree_width=9"])
+
+
+SECRET = "hunter2-redis-secret"
+
+
+@pytest.mark.parametrize("override", ["drafter.version_pin=${oc.env:SPECD_REDIS_PASSWORD}",
+                                      "spec.gamma=${oc.env:SPECD_REDIS_PASSWORD}",
+                                      "drafter.version_pin='${oc.env:SPECD_REDIS_PASSWORD}'",
+                                      "spec.policy=${oc.decode:'fixed'}"])
+def test_interpolation_is_refused_through_specd_admin_set(server, monkeypatch, capsys, override) -> None:
+    """`specd admin set` with a resolver: INVALID_ARGUMENT, the server's variable never read back."""
+    from cluster.cli import main
+
+    monkeypatch.setenv("SPECD_REDIS_PASSWORD", SECRET)
+    monkeypatch.setenv("SPECD_ADMIN_TOKEN", ADMIN)
+    before = dict(server["backend"].config)
+    assert main(["admin", "set", override, "--address", server["address"]]) == 1
+    out = capsys.readouterr()
+    assert "INVALID_ARGUMENT" in out.err and "interpolations and resolvers" in out.err
+    assert SECRET not in out.out + out.err
+    assert server["backend"].config == before
+    with client(server, TOKEN) as user:
+        assert SECRET not in str(user.server_info()["config"])
+
+
+def test_running_values_with_special_characters_replay_and_are_masked(server, monkeypatch) -> None:
+    """Running strings holding `=`, `,`, quotes and `${` are replayed exactly, so a live change still
+    works; ServerInfo and SetConfig show the Redis URL without its password."""
+    url = f"rediss://:{SECRET}@redis.example:6380/0?ssl_cert_reqs=required&health_check_interval=5,6"
+    path = "/models/a,b=c 'd' ${not.resolved}"
+    running = {**server["backend"].config, "replay.redis_url": url, "target.model_path": path}
+    monkeypatch.setattr(server["backend"], "config", running)
+    with client(server, ADMIN) as admin, client(server, TOKEN) as user:
+        assert admin.set_config(["spec.gamma=2"]) == {"spec.gamma": "2"}
+        assert server["backend"].config["replay.redis_url"] == url        # kept exactly, internally
+        assert server["backend"].config["target.model_path"] == path
+        shown = user.server_info()["config"]
+        assert shown["replay.redis_url"] == ("rediss://:***@redis.example:6380/0?ssl_cert_reqs=required"
+                                             "&health_check_interval=5,6")
+        assert shown["target.model_path"] == path and SECRET not in str(shown)
+        admin.set_config([f"spec.gamma={BOUNDS.gamma_default}"])
+
+
+def test_plan_update_round_trips_awkward_strings() -> None:
+    from cluster.admin import quote_string
+
+    values = ["rediss://u:p@h:1/0?a=1,2", "a b,c=d", "it's \"q\"", "back\\slash\\", "x${oc.env:HOME}",
+              "two\\${x}", "end\\'", "{not: a dict}", "[1, 2]", "null text", ""]
+    for value in values:
+        assert load_config([f"target.model_path={quote_string(value)}"]).target.model_path == value
+    current = flatten(load_config([f"name={quote_string(v)}" for v in values[:1]]))
+    current["target.model_path"] = values[4]
+    cfg, changed = plan_update(current, ["spec.gamma=3"])
+    assert changed == {"spec.gamma": "3"} and cfg.target.model_path == values[4]

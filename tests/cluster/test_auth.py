@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def start(lt: LoopThread, server_cfg: ServerConfig, stack: list) -> GrpcServer:
         sched = Scheduler([(target, drafter)], capacity=2, max_queue=4, max_running=2, pipeline_groups=1,
                           eos_token_ids=[EOS])
         await sched.start()
-        srv = GrpcServer(SpecdServicer(), port=0, security=ServerSecurity.from_config(server_cfg),
+        srv = GrpcServer(SpecdServicer(), server_cfg.host, port=0,
+                         security=ServerSecurity.from_config(server_cfg),
                          max_message_bytes=server_cfg.max_message_bytes,
                          health_port=server_cfg.health_port or None)
         await srv.start()
@@ -216,3 +218,157 @@ def test_specd_generate_takes_tls_and_token_options(secured, monkeypatch, tmp_pa
     monkeypatch.delenv("SPECD_TOKEN")
     assert main([*base, "--token-file", str(token_file)]) == 0
     assert "3 tokens" in capsys.readouterr().err
+
+
+def test_open_non_loopback_bind_refused_at_start(capsys) -> None:
+    """`specd serve server.host=0.0.0.0` without a token stops at config validation, naming the keys."""
+    from cluster.cli import main
+
+    assert main(["serve", "server.host=0.0.0.0", "ray.address=none-needed"]) == 2
+    err = capsys.readouterr().err
+    assert "server.host='0.0.0.0'" in err
+    for key in ("server.auth_token_file", "server.auth_token_env", "server.insecure=true"):
+        assert key in err
+    for host in ("0.0.0.0", "10.1.2.3", "::", "router.example"):
+        with pytest.raises(ValueError, match="server.auth_token_file or server.auth_token_env"):
+            ServerSecurity.from_config(ServerConfig(host=host))
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        assert ServerSecurity.from_config(ServerConfig(host=host)).insecure is False
+
+
+def test_insecure_on_purpose_is_logged_and_exported(caplog) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from cluster.metrics import SpecdMetrics
+    from configs import load_config
+
+    cfg = load_config(["server.host=0.0.0.0", "server.insecure=true"])
+    with caplog.at_level("WARNING", logger="cluster.auth"):
+        security = ServerSecurity.from_config(cfg.server)
+    assert security.insecure
+    assert any("server.insecure=true" in r.getMessage() and "anyone who reaches the port" in r.getMessage()
+               for r in caplog.records)
+    metrics = SpecdMetrics(CollectorRegistry())
+    metrics.server_insecure.set(1.0 if security.insecure else 0.0)
+    assert metrics.registry.get_sample_value("specd_server_insecure") == 1.0
+
+
+def stop_all(lt: LoopThread, stack: list) -> None:
+    for srv, sched in stack:
+        lt.run(srv.stop(0))
+        lt.run(sched.stop())
+    lt.close()
+
+
+def test_off_loopback_admin_needs_its_own_token(tmp_path, monkeypatch, capsys, caplog) -> None:
+    """On 0.0.0.0 a user token never authorizes SetConfig; without an admin token there is no admin
+    service at all (said at start); with one, only it works."""
+    from cluster.cli import main
+
+    (tmp_path / "user").write_text(TOKEN)
+    (tmp_path / "admin").write_text("admin-secret")
+    lt, stack = LoopThread(), []
+    try:
+        with caplog.at_level("WARNING", logger="cluster.auth"):
+            srv = start(lt, ServerConfig(host="0.0.0.0", auth_token_file=str(tmp_path / "user")), stack)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("admin service" in m and "not served" in m for m in said), said
+        address = f"127.0.0.1:{srv.port}"
+        monkeypatch.delenv("SPECD_ADMIN_TOKEN", raising=False)
+        monkeypatch.setenv("SPECD_TOKEN", TOKEN)      # `specd admin set` falls back to the user token
+        assert main(["admin", "set", "spec.gamma=2", "--address", address]) == 1
+        err = capsys.readouterr().err
+        assert "UNIMPLEMENTED" in err and "no admin service" in err
+        with SpecdClient(address, timeout=30, security=Security(token=TOKEN)) as c:
+            services = set(ProtoReflectionDescriptorDatabase(c.channel).get_services())
+            assert "specd.v1.SpecdAdmin" not in services
+            assert c.generate(text="hi", max_new_tokens=2).token_ids       # the user API still works
+
+        srv = start(lt, ServerConfig(host="0.0.0.0", auth_token_file=str(tmp_path / "user"),
+                                     admin_token_file=str(tmp_path / "admin")), stack)
+        address = f"127.0.0.1:{srv.port}"
+        assert main(["admin", "set", "spec.gamma=2", "--address", address]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+    finally:
+        stop_all(lt, stack)
+    auth = BearerAuthInterceptor(("user",), (), admin_falls_back=False)
+    assert auth.allowed("Bearer user") and not auth.allowed("Bearer user", admin=True)
+    loopback = BearerAuthInterceptor(("user",), ())
+    assert loopback.allowed("Bearer user", admin=True)
+
+
+def test_token_file_is_re_read_on_change(tmp_path, caplog) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("first-token\n")
+    lt, stack = LoopThread(), []
+    try:
+        srv = start(lt, ServerConfig(auth_token_file=str(token_file)), stack)
+
+        def code(token: str) -> grpc.StatusCode:
+            with SpecdClient(srv.address, timeout=30, security=Security(token=token)) as c:
+                try:
+                    c.generate(text="hi", max_new_tokens=2)
+                except grpc.RpcError as err:
+                    return err.code()
+                return grpc.StatusCode.OK
+
+        assert code("first-token") == grpc.StatusCode.OK
+        token_file.write_text("second-token\n")          # rotated: no restart
+        assert code("second-token") == grpc.StatusCode.OK
+        assert code("first-token") == grpc.StatusCode.UNAUTHENTICATED
+        with caplog.at_level("WARNING", logger="cluster.auth"):
+            token_file.write_text("\n")                  # a half-written rotation keeps the last tokens
+            assert code("second-token") == grpc.StatusCode.OK
+        assert any("keeping the last tokens" in r.getMessage() for r in caplog.records)
+        assert not any("second-token" in r.getMessage() for r in caplog.records)
+    finally:
+        stop_all(lt, stack)
+
+
+def tls_version(port: int, ca: str, maximum: ssl.TLSVersion | None = None) -> str:
+    """The TLS version a handshake with the server settles on (raises ssl.SSLError if none)."""
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.set_alpn_protocols(["h2"])
+    if maximum is not None:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1
+        ctx.set_ciphers("DEFAULT:@SECLEVEL=0")      # let this client offer old versions at all
+        ctx.maximum_version = maximum
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+        return tls.version()
+
+
+@pytest.mark.filterwarnings("ignore:ssl.TLSVersion.TLSv1:DeprecationWarning")
+def test_tls_versions_and_certificate_reload(tmp_path, caplog) -> None:
+    cert, key = self_signed(tmp_path, "server")
+    lt, stack = LoopThread(), []
+    try:
+        srv = start(lt, ServerConfig(tls_cert_file=cert, tls_key_file=key), stack)
+        old_ca = str(tmp_path / "old-ca.crt")
+        Path(old_ca).write_bytes(Path(cert).read_bytes())
+        # TLS 1.3 offered and chosen, 1.2 accepted, 1.1 refused by the server
+        assert tls_version(srv.port, old_ca) == "TLSv1.3"
+        assert tls_version(srv.port, old_ca, ssl.TLSVersion.TLSv1_2) == "TLSv1.2"
+        with pytest.raises(ssl.SSLError) as refused:       # the server hangs up on a TLS 1.1 hello
+            tls_version(srv.port, old_ca, ssl.TLSVersion.TLSv1_1)
+        assert "NO_PROTOCOLS_AVAILABLE" not in str(refused.value)     # (this client did offer 1.1)
+        address = f"localhost:{srv.port}"
+        with SpecdClient(address, timeout=30, security=Security(ca_file=old_ca)) as c:
+            assert c.generate(text="hi", max_new_tokens=2).token_ids
+        new_dir = tmp_path / "new"
+        new_dir.mkdir()
+        new_cert, new_key = self_signed(new_dir, "server")      # a new key pair, written in place
+        Path(cert).write_bytes(Path(new_cert).read_bytes())
+        Path(key).write_bytes(Path(new_key).read_bytes())
+        with SpecdClient(address, timeout=30, security=Security(ca_file=new_cert)) as c:
+            assert c.generate(text="hi", max_new_tokens=2).token_ids
+        with pytest.raises(ssl.SSLError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            tls_version(srv.port, old_ca)                  # the old certificate is gone
+        assert srv.security.certificates.reloads == 1
+    finally:
+        stop_all(lt, stack)
+    with pytest.raises(ValueError, match="grpc/grpc#37305"):
+        ServerSecurity.from_config(ServerConfig(tls_cert_file=cert, tls_key_file=key, tls_min_version="1.3"))
+    other_cert, _ = self_signed(tmp_path / "new", "other")
+    with pytest.raises(ValueError, match="do not load as a pair"):
+        ServerSecurity.from_config(ServerConfig(tls_cert_file=other_cert, tls_key_file=key))

@@ -84,3 +84,75 @@ def test_hung_worker_turns_health_not_serving(server) -> None:
     finally:
         target.gate.set()
     health_becomes(client, "SERVING")
+
+
+@pytest.fixture
+def busy_server():
+    """Slow steps (50 ms), two slots, a queue of four; the prober checks every 0.1 s and gives up
+    after 1 s, less than one request takes (32 steps)."""
+    lt = LoopThread()
+    target = FakeTarget(max_slots=2, delay=0.05)
+
+    async def up():
+        sched = Scheduler([(target, FakeDrafter(target, delay=0.0))], capacity=2, max_queue=4,
+                          max_running=2, pipeline_groups=1, eos_token_ids=[EOS])
+        await sched.start()
+        srv = GrpcServer(SpecdServicer(), port=0)
+        await srv.start()
+        await srv.attach(Backend(sched, ToyCodec(), BOUNDS, "fake", (EOS,), 1, 1, 4))
+        prober = HealthProber(sched, [33], SpecParams(gamma=2), srv.set_serving, PERIOD_S, timeout_s=1.0)
+        return sched, srv, prober, asyncio.ensure_future(prober.run())
+
+    sched, srv, prober, task = lt.run(up())
+    client = SpecdClient(srv.address, timeout=60)
+    yield client, sched, prober
+    client.close()
+    lt.loop.call_soon_threadsafe(task.cancel)
+    lt.run(srv.stop(0))
+    lt.run(sched.stop())
+    lt.close()
+
+
+def test_probe_never_queues_behind_clients_and_readiness_follows_the_queue(busy_server) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, sched, prober = busy_server
+    health_becomes(client, "SERVING")
+    assert client.health("liveness") == "SERVING" and client.health("readiness") == "SERVING"
+    slow = dict(text="A", max_new_tokens=32, ignore_eos=True, gamma=0)
+    failures, probes = prober.failures, prober.probes
+    with ThreadPoolExecutor(8) as pool:
+        calls = [pool.submit(client.generate, **slow) for _ in range(6)]    # 2 running, 4 waiting
+        end = time.monotonic() + 10
+        while sched.waiting() < 4:
+            assert time.monotonic() < end, "the queue did not fill"
+            time.sleep(0.01)
+        assert client.health("readiness") == "NOT_SERVING"        # cannot take more ...
+        assert client.health("liveness") == "SERVING"             # ... but works
+        # while the queue drains (three rounds of ~1.6 s), a probe queued behind it would wait longer
+        # than its 1 s timeout: serving must stay SERVING throughout
+        while not all(c.done() for c in calls):
+            assert client.health() == "SERVING", prober.last_error
+            assert client.health("liveness") == "SERVING"
+            time.sleep(0.05)
+        assert all(len(c.result().token_ids) == 32 for c in calls)
+    assert prober.probes > probes and prober.failures == failures, prober.last_error
+    assert client.health("readiness") == "SERVING"
+
+
+def test_liveness_serves_while_loading_and_readiness_does_not() -> None:
+    lt = LoopThread()
+
+    async def up():
+        srv = GrpcServer(SpecdServicer(), port=0)      # no backend attached: still loading
+        await srv.start()
+        return srv
+
+    try:
+        srv = lt.run(up())
+        with SpecdClient(srv.address, timeout=10) as c:
+            assert c.health("liveness") == "SERVING"
+            assert c.health("readiness") == "NOT_SERVING" and c.health() == "NOT_SERVING"
+        lt.run(srv.stop(0))
+    finally:
+        lt.close()

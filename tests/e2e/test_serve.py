@@ -63,7 +63,7 @@ def server():
     drafter_group = "hidden" if drafter_kind(None) == "model" else "ngram"
     cfg = load_config([f"drafter={drafter_group}", "spec=chain", "spec.tree_width_max=3", "server.port=0",
                        f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
-                       "target.max_seq_len=512", "server.max_queue=8"])
+                       "target.max_seq_len=512", "server.max_queue=8", "server.max_message_bytes=8388608"])
     ray.init(num_cpus=4, include_dashboard=False, namespace="specd-e2e", log_to_driver=False)
     ready, handles, errors = threading.Event(), [], []
 
@@ -124,7 +124,7 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
         tree = c.generate(PROMPTS[0], max_new_tokens=24, tree_width=2, gamma=3)
         assert tree.usage["drafted"] > 3 * tree.usage["steps"], "a tree, not a chain of γ = 3"
     # a seeded request is reproducible under a γ policy that does not follow measured time (under goodput,
-    # the default, γ and so the draws may differ run to run: README "Goodput-driven γ")
+    # the default, γ and so the draws may differ run to run: docs/speculation.md)
     seeded = dict(max_new_tokens=12, temperature=0.8, seed=7, gamma_policy="fixed")
     sampled = [c.generate(PROMPTS[0], **seeded).token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]
@@ -152,6 +152,7 @@ def test_greedy_output_matches_transformers(server) -> None:
 def test_health_reflection_and_info(server) -> None:
     c = server["client"]
     assert c.health() == "SERVING" and c.health("specd.v1.Specd") == "SERVING"
+    assert c.health("liveness") == "SERVING" and c.health("readiness") == "SERVING"
     db = ProtoReflectionDescriptorDatabase(c.channel)
     assert {"specd.v1.Specd", "grpc.health.v1.Health"} <= set(db.get_services())
     service = descriptor_pool.DescriptorPool(db).FindServiceByName("specd.v1.Specd")
@@ -222,12 +223,29 @@ def test_every_bad_input_gets_invalid_argument(server) -> None:
     assert c.generate("hi", max_new_tokens=2).finish_reason in ("length", "eos")   # still serving
 
 
+def test_a_4_mib_prompt_is_refused_quickly_while_a_stream_goes_on(server) -> None:
+    """The real tokenizer takes seconds on 4 MiB; the length bound refuses it first, off the event loop,
+    while another request keeps streaming."""
+    import time
+
+    c = server["client"]
+    stream = c.stream(PROMPTS[0], max_new_tokens=64, ignore_eos=True)
+    assert next(stream).token_ids
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        c.generate(text="word " * ((4 << 20) // 5), max_new_tokens=4)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "server.max_prompt_chars" in err.value.details() and time.monotonic() - t0 < 5
+    assert sum(len(chunk.token_ids) for chunk in stream) >= 60
+
+
 def test_metrics_endpoint(server) -> None:
     port = server["handle"].metrics_port
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for name in ("specd_generated_tokens_total", "specd_time_to_first_token_seconds_bucket",
                  "specd_drafted_tokens_total", "specd_position_drafted_total", "specd_queue_depth"):
         assert name in text, name
+    assert "specd_server_insecure 0.0" in text          # loopback: not an open public server
 
 
 def test_admin_set_changes_gamma_for_the_next_requests(server) -> None:

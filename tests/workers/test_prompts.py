@@ -115,3 +115,26 @@ def test_general_prompts_are_the_quick_drafters_and_apart_from_the_benchmarks():
     # a fresh install's drafter learns general turns; the benchmark domains arrive as new traffic
     assert BootstrapConfig.quick().sources == GENERAL_SOURCES and BootstrapConfig().sources == SOURCES
     assert all(p.source == "general" for p in load_prompts("train", BootstrapConfig.quick().sources))
+
+
+def test_openchat_stream_and_held_out_prompts_are_apart_from_every_other_chat_set():
+    import re
+
+    from workers.prompts import SOURCES, STREAM_SOURCES, load_prompts, load_split
+
+    stream, held = load_split("openchat", "train"), load_split("openchat", "eval")
+    assert (len(stream), len(held)) == (200, 40) and all(p.text.strip() for p in stream + held)
+    assert len({p.text for p in stream + held}) == 240
+    # neither the quick drafter's turns nor the chat evaluation may share a prompt, even reworded
+    function_words = {"a", "an", "the", "of", "to", "and", "in", "for", "is", "what", "how", "i", "my", "do",
+                      "with", "write", "short", "about", "between", "difference", "differences", "explain"}
+
+    def words(text: str) -> set[str]:
+        return set(re.findall(r"[a-z]+", text.lower())) - function_words
+
+    others = [p.text for s in ("general", "chat") for part in ("train", "eval") for p in load_split(s, part)]
+    for p in stream + held:
+        overlap = max(len(words(p.text) & words(o)) / len(words(p.text) | words(o)) for o in others)
+        assert overlap < 0.5, p.text
+    assert "openchat" in STREAM_SOURCES and "openchat" not in SOURCES
+    assert all(p.source != "openchat" for p in load_prompts("train"))

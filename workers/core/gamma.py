@@ -14,9 +14,9 @@ Policies:
   beta, exceeds a threshold. The threshold moves with the request's acceptance EMA, so a drafter that
   keeps being accepted is allowed to continue through less certain positions.
 - confidence: plans gamma_max and stops drafting once the drafter's top-1 probability for the token it
-  just drafted falls below a threshold. A distilled drafter is well calibrated (measured here: tokens
-  drafted at top-1 probability >= 0.6 match the target >= 78% of the time, below 0.2 only 12%), so this
-  cuts the drafts that would be rejected anyway and lets confident runs go long.
+  just drafted falls below a threshold. A distilled drafter is well calibrated
+  (docs/decisions/gamma-policies.md), so this cuts the drafts that would be rejected anyway and lets
+  confident runs go long.
 - adaptive: acceptance-adaptive (as in SmartSpec). From a per-request EMA of the per-token acceptance
   probability ρ it picks the γ (and, for trees, the width) that maximises expected emitted tokens per
   unit of cost.
@@ -349,7 +349,7 @@ class AdaptiveGamma(GammaPolicy):
 
 # Seconds of a step before anything was measured: a 30 ms decode step, verify(1 + n) = 30 ms * (1 + 0.07 n)
 # (AdaptiveGamma's slope), a drafter forward 0.1 of a decode step, proportional in the batch, and a context
-# token caught up on about an eighth of a one-row drafter forward (the ratio measured here). A measured
+# token caught up on about an eighth of a one-row drafter forward. A measured
 # profile (workers/engine/profile.py) replaces it; online corrections move it toward measured steps.
 PRIOR_PROFILE = CostProfile(verify={1: [0.03 * (1.0 + 0.07 * n) for n in range(9)]}, draft={1: 0.003},
                             catch_up=0.0004)

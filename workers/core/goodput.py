@@ -16,15 +16,13 @@ requests verified together in one target forward, we pick (γ_i, w_i) to maximis
   longest row: the runner's matmuls skip the padding but attention does not (workers/models/layers.py), so
   the profile measures `pad_weight` w and a batch is priced as n = mean + w · (longest − mean) tokens per
   row (w = 1: fully padded, the CUDA-graph buckets; `padded=True/False` forces 1 or 0), plus what going
-  ragged costs at all (`ragged[b]`: the row groups' extra gathers and attention calls; on a 2-core CPU
-  3-6 ms at batch 16, up to as much as 2 more tokens per row).
+  ragged costs at all (`ragged[b]`: the row groups' extra gathers and attention calls).
 - A step that drafts also pays host work no forward accounts for: the plan itself, suffix lookups, the
-  drafter's commits, longer bookkeeping. On a 2-core CPU that is about 1 ms of a 140 ms step at batch
-  16; on an H100 (a 6 ms step at batch 8) drafting steps took ~20 ms and the default ran at 0.38x
-  target-only. Where drafter and target share a thread (the in-process engine) each step's wall time
-  less its verify and priced drafter forwards is measured (`observe_host`), and what drafting steps
-  take beyond steps that draft nothing is charged to every plan that drafts (`host_seconds`), a fixed
-  cost per step.
+  drafter's commits, longer bookkeeping: small beside a CPU forward, most of a drafting step on a GPU
+  (docs/decisions/goodput-host-cost.md). Where drafter and target share a thread (the in-process
+  engine) each step's wall time less its verify and priced drafter forwards is measured (`observe_host`), and
+  what drafting steps take beyond steps that draft nothing is charged to every plan that drafts
+  (`host_seconds`), a fixed cost per step.
 
 Optimisation is greedy: start from γ = 0 everywhere and repeatedly apply the move with the best goodput,
 among "one more draft token for request i", "one more tree candidate for request i" and "lift every
@@ -235,8 +233,8 @@ class StepCostModel:
         A plain one (one token per row) corrects the one-token cell of the nearest profiled batch size, and
         the other cells follow it in the profile's shape (_drift_toward_profile). A drafting one corrects
         that batch size's drafting factor instead: the profile runs at short contexts, and at real ones a
-        drafting verify costs more against a plain one than the table says (batch 4-8, HumanEval, 2-core
-        CPU: 11-18% over their prediction a whole run long, with the plain ones within 3%); charged to the
+        drafting verify costs more against a plain one than the table says
+        (docs/decisions/goodput-pricing.md); charged to the
         table's cells, a drafting verify averaging under 1.5 tokens per row raised the plain price, and
         the plain steps' pull toward the profile's shape undid the rest. Either rises only as far as the
         lesser of its last two measurements: one slow forward (the OS, a collection) priced a drafting
@@ -305,8 +303,8 @@ class StepCostModel:
 class BatchCosts:
     """StepCostModel's prices for steps over one batch size, frozen when made: a plan prices hundreds of
     shapes of one batch (a climb's every candidate move), and interpolating the tables over batch sizes,
-    the host figures and the drafting factor for each was most of the planning time (0.19 s of a 31 s
-    batch-8 run here; on a GPU host the plan is paid beside a 6 ms step)."""
+    the host figures and the drafting factor for each was most of the planning time, which on a GPU host
+    is paid beside a step of a few milliseconds (docs/decisions/goodput-pricing.md)."""
 
     def __init__(self, verify: list[float], pad_weight: float, ragged: float, factor: float, host: float,
                  draft_seconds) -> None:

@@ -2,8 +2,7 @@
 
 The goodput controller (goodput.py) drafts where its cost model says drafting pays. What the model does
 not see it cannot price: on a CPU host the router's drafter actor and the router itself share the
-target's cores, so every proposal slows the verify running beside it (`specd bench serve`, 16 clients,
-2-core CPU, 2026-11-25: 0.89x and 0.95x target-only, TPOT p50 289 vs 242 ms, with the controller alone).
+target's cores, so every proposal slows the verify running beside it (docs/decisions/speculation-guard.md).
 The guard closes the loop on the outcome instead of a prediction:
 
 - decode steps run in windows of `window_steps` steps; in an "on" window speculation is allowed (the

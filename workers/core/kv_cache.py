@@ -141,8 +141,8 @@ class KVCache:
         v_new: torch.Tensor,  # like k_new
     ) -> None:
         """One index_copy_ per tensor into the layer's flat [slots * kv_heads * max_seq_len, head_dim] view
-        (two slice copies per row before: 4.2 ms of a 64 ms batch-16 forward here, now 2.0 with the
-        index built once per forward and shared by the layers). The caller checks capacity once per
+        (the index built once per forward and shared by the layers; cheaper than slice copies per row:
+        docs/decisions/ragged-verify.md). The caller checks capacity once per
         forward (see `check_capacity`)."""
         d = k_new.shape[-1]
         self.k[layer].view(-1, d).index_copy_(0, index, k_new.reshape(-1, d))

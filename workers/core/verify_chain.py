@@ -1,6 +1,6 @@
 """Chain verification: accept a prefix of each request's drafted tokens, then emit one more token.
 
-Glossary (README, "Glossary"):
+Glossary (docs/architecture.md, "Glossary"):
 - drafted: the gamma tokens x_1..x_gamma the drafter proposed, x_i ~ q_i.
 - accepted: x_i is kept with probability min(1, p_i(x_i) / q_i(x_i)), left to right, until the first
   rejection.

@@ -76,8 +76,7 @@ def read_held_out_acceptance(path: str | Path) -> float | None:
 # without drafting) go in prefills of feeds within CATCH_UP_SPREAD times each other's length. The runner's
 # matmuls skip the padding of a ragged batch and its attention does not, so only alike lengths batch well;
 # requests that stopped drafting together (a drafter pause, a load the goodput plan found too high) come
-# back with feeds of the same length. Measured here (hidden-state drafter, 16 rows, 150-token contexts):
-# 16 feeds of 32-34 tokens in one prefill 70 ms, one prefill each 101 ms; of 8-10 tokens 22 vs 43 ms.
+# back with feeds of the same length (docs/decisions/goodput-pricing.md).
 CATCH_UP_BATCHED = 16
 CATCH_UP_SPREAD = 2.0
 
@@ -91,7 +90,7 @@ class _DraftSeq:
     tree: bool = False                    # the open step was a tree (its nodes never entered the cache)
     # target states that predicted the feed, in the chunks commits brought them: joined only when read, since
     # a request the drafter does not draft for gets a commit every step (a torch.cat of its whole feed per
-    # commit was 0.3 ms a step at batch 16 here, for nothing)
+    # commit would be paid every step, for nothing)
     hidden_parts: list[torch.Tensor] = field(default_factory=list)
 
     @property

@@ -5,7 +5,7 @@ Two kinds of suffix index (workers/drafters/suffix_index.py):
 - a global one over the prompts and outputs this drafter has served, built from traffic: a request is
   queued for indexing when it finishes (remove_request), so the next request that repeats it (an edited
   prompt, a conversation quoting an earlier turn) drafts from it. Indexing costs python operations per
-  token (about 3 us here), so it is spread over the next steps: each propose indexes at most
+  token, so it is spread over the next steps: each propose indexes at most
   `index_tokens_per_step` queued tokens first (flush() does the rest). Memory is bounded by `max_nodes`
   trie nodes: past the cap the least recently indexed requests are removed (exactly: their counts are
   subtracted), oldest first, which is what lets the index fold paths back to one node when a copy goes.

@@ -3,7 +3,7 @@ up to `max_depth` tokens of the sequences it holds, each node counting its occur
 
 The global index (SuffixIndex) keeps the paths of substrings seen once compressed: a node met once keeps,
 in place of children, where in which sequence its path goes on (a tail), so a sequence costs about a node
-per token (GSM8K question + answer: 354 nodes a request instead of 4,188; scripts/suffix_index_memory.py)
+per token instead of about max_depth (docs/decisions/suffix-index-memory.md)
 and adding a token updates only the substrings ending there that occur elsewhere too, not max_depth of
 them. Removing a sequence walks it again with -1, so the index of many sequences is the plain trie of
 their sum (what makes eviction exact); see SuffixIndex.
@@ -18,9 +18,8 @@ frequencies were the target's probabilities, which is how SuffixDecoding ranks c
 Plain python. A node is an id into two lists (its count, its children), not an object: the children are
 None, one int packing (token, child) (most nodes have one child), or a {token: child} dict, and neither
 ints nor dicts of ints are objects the garbage collector tracks, so a full collection does not walk the
-index (as objects, 0.2-0.6 s a collection at 0.3-0.8 M nodes, 1-2% of an engine benchmark cell at batch
-8-16, and a stall of that length in serving). Ids of removed nodes are reused. A tail is a negative int
-in the children's place. README gives measured bytes per node.
+index (as objects, a collection walked them all: a stall in serving; docs/decisions/suffix-index-memory.md).
+Ids of removed nodes are reused. A tail is a negative int in the children's place.
 """
 
 from __future__ import annotations
@@ -433,7 +432,7 @@ class ContextIndex(_Drafting):
     that occurred earlier with a continuation (through the positions of its last token), and counts the
     continuations of those occurrences into a small trie, which is exactly the SuffixIndex's subtree
     below that match. A SuffixIndex pays max_depth node updates per token instead (about 18 new nodes:
-    most substrings of a sequence are unique), 1.5% of a batch-16 run on a CPU that drafted nothing."""
+    most substrings of a sequence are unique), paid even in a batch that drafts nothing."""
 
     def __init__(self, max_depth: int = 24) -> None:
         if max_depth < 2:

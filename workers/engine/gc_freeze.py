@@ -1,14 +1,13 @@
 """Keep the garbage collector's full collections short: what a worker loaded at start-up is frozen.
 
-A full collection walks every object the collector tracks. A worker process holds 0.3-0.4 million of them
-once torch and transformers are imported and a model is loaded, and a full collection took 0.19-0.20 s
-here (2-core CPU): a stall of the decode loop that lands in one step's latency, and 0.7% of an engine
-benchmark cell at batch 16 (`scripts/step_costs.py`). `gc.freeze()`, Python's remedy for a heap that
-lives as long as the process, moves every object tracked at that moment to a permanent generation that
-collections skip. Objects frozen and freed later are still freed by reference counting; only a reference
-cycle among them would wait for the process to end, and what start-up built lives that long anyway. At
-exit they are unfrozen, so shutdown frees them as it would have (extension modules that count their
-objects at exit, triton's nanobind bindings, otherwise report them as leaked).
+A full collection walks every object the collector tracks. A worker process holds hundreds of thousands of
+them once torch and transformers are imported and a model is loaded, so a full collection is a stall of
+the decode loop that lands in one step's latency (docs/decisions/gc-freeze.md). `gc.freeze()`, Python's
+remedy for a heap that lives as long as the process, moves every object tracked at that moment to a
+permanent generation that collections skip. Objects frozen and freed later are still freed by reference
+counting; only a reference cycle among them would wait for the process to end, and what start-up built
+lives that long anyway. At exit they are unfrozen, so shutdown frees them as it would have (extension
+modules that count their objects at exit, triton's nanobind bindings, otherwise report them as leaked).
 """
 
 from __future__ import annotations

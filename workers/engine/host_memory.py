@@ -3,11 +3,10 @@
 glibc's malloc returns large freed blocks to the kernel: blocks above its mmap threshold are unmapped
 on free, and the top of the heap is trimmed beyond its trim threshold. Every decode step allocates
 and frees the same few-MB activations (the logits of a batch of 16 alone are 3 MB), so a process can
-fault ~20 MB of fresh zeroed pages per step. Whether it does depends on the process's history:
+fault megabytes of fresh zeroed pages every step. Whether it does depends on the process's history:
 glibc raises the mmap threshold when it frees a larger mmapped block, so two processes that served
-the same traffic after a different start-up (a cost profile, a drafter) decode at different speeds.
-Measured here (2-core CPU, target-only, chat prompts, batch 16, 64 tokens, 4 groups per process):
-a fresh process faulted 320-410 thousand pages per group; with the thresholds fixed, none.
+the same traffic after a different start-up (a cost profile, a drafter) decode at different speeds
+(docs/decisions/slot-order-and-freed-memory.md).
 
 `keep_freed_memory` fixes both thresholds at run time (mallopt), which also turns off glibc's dynamic
 adjustment: blocks under 32 MiB come from the heap and stay with the process. Memory is not lost, it

@@ -66,15 +66,15 @@ def profile_verify(
             seconds = [_timed_extend(runner, slots, [n] * b, repeats) for n in measured_n]
             if len(measured_n) > 1 and measured_n[1] == 2:
                 # The first draft token's price decides most plans at high load: what two tokens a row
-                # cost beyond one, timed in pairs (apart, the difference moved 25-31 ms at batch 16
-                # between start-ups here).
+                # cost beyond one, timed in pairs (apart, the difference moved with the machine's
+                # noise between start-ups: docs/decisions/goodput-pricing.md).
                 extra = _paired_extra(runner, slots, [1] * b, [2] * b, RAGGED_PAIRS)
                 seconds[1] = seconds[0] + max(extra, 0.0)
             table[b] = [interpolate(measured_n, seconds, n) for n in range(1, max_tokens + 1)]
             if b > 1 and max_tokens > 1:
                 # Each ragged forward against a plain one, in interleaved pairs: a few milliseconds
-                # between two forwards timed apart were lost in their noise (the same start-up measured
-                # 0 to 21 ms at batch 16 here; paired, 3-7 ms).
+                # between two forwards timed apart were lost in their noise
+                # (docs/decisions/goodput-pricing.md).
                 plain = [1] * b
                 small = _paired_extra(runner, slots, plain, [2] + plain[1:], RAGGED_PAIRS)
                 ragged_fixed[b] = max(small - (table[b][1] - table[b][0]) / b, 0.0)

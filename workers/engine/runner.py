@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     """A config dtype; "auto" is bfloat16 on CUDA (half the bytes of each weight read) and float32
-    elsewhere (measured faster than bfloat16 for the target on this project's CPUs)."""
+    elsewhere (faster than bfloat16 for the target on the CPUs tried: docs/decisions/cpu-kernels.md)."""
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if name not in DTYPES:
@@ -54,15 +54,15 @@ class ModelRunner:
         """prefill_chunk: prompt tokens per forward in `prefill` (bounds activation memory).
         full_vocab: for a reduced-vocabulary drafter, False returns [.., V_sub] logits in the
         order of `vocab_ids` (cheaper) instead of scattering them into the full vocabulary.
-        pack_weights: True / "onednn": oneDNN pre-packed matmul weights on CPU (measured 1.3-2x faster
-        forwards here, at the price of a second copy of the matmul weights in memory); "int8":
+        pack_weights: True / "onednn": oneDNN pre-packed matmul weights on CPU (faster forwards,
+        docs/decisions/cpu-kernels.md, at the price of a second copy of the matmul weights in memory); "int8":
         weight-only int8 (drafters only: it changes the outputs slightly); False / "none": plain.
         decode: how decode forwards (extend, extend_trees; never prefill) run: "eager" (shapes as they
         come, the CPU path), "static" (bucketed static shapes over the preallocated cache, run
         eagerly: the GPU path's logic, testable anywhere) or "graph" (static, each bucket captured
         as a CUDA graph on first use; CUDA only). See workers/engine/static_decode.py.
-        compile: torch.compile the forward. Measured on SmolLM2 here: 4-7 minutes of compilation per
-        graph and forwards 5x slower than eager with packed weights, so it is off by default.
+        compile: torch.compile the forward; off by default: on a CPU it compiles for minutes per graph
+        and ran slower than eager with packed weights (docs/decisions/cpu-kernels.md).
         """
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -181,7 +181,7 @@ class ModelRunner:
         order = self._slot_order(slots)
         if order is not None:
             # Rows in slot order: consecutive slots are read as one cache view per layer instead of one
-            # attention call per row (measured here, batch 16, 91-token contexts: 54 vs 67 ms a forward).
+            # attention call per row (docs/decisions/slot-order-and-freed-memory.md).
             out = self._extend(_pick(slots, order), _pick(tokens, order),
                                None if logit_index is None else logit_index[order],
                                _pick(features, order), _pick(staleness, order), return_hidden)

@@ -1,8 +1,8 @@
 """Static-shape decode forwards for GPUs: bucketed shapes over the preallocated KV cache, optionally
 captured as CUDA graphs.
 
-On a GPU a small model's eager step is bound by Python and kernel launches (about 22 ms per token
-for SmolLM2-135M on an H100, where reading its weights takes about 0.1 ms). A CUDA graph replays a
+On a GPU a small model's eager step is bound by Python and kernel launches, not by reading its
+weights (docs/gpus.md). A CUDA graph replays a
 whole forward as one launch, but only with fixed shapes and fixed input/output buffers. So every
 decode forward (the target's verify, the drafter's per-token propose step; never the prefill) is
 padded to a bucket:

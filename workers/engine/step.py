@@ -42,16 +42,12 @@ DRAFTER_PROBE_TIMEOUT_S = 0.5
 # When a batch of at least PAUSE_MIN_BATCH speculating requests got no draft at all (the γ policy found
 # nothing worth drafting: high load, or traffic no drafter knows), and the drafter runs in the target's
 # process (the in-process engine; not the router's actors), the next steps do not ask the drafter:
-# its per-step work (commits, suffix lookups, the plan) cost 3-9% of a step at batch 8-16 here, for
-# nothing. The pause starts at PAUSE_STEPS and doubles while the drafter keeps drafting nothing, up to
+# its per-step work (commits, suffix lookups, the plan) is a share of every step, paid for nothing.
+# The pause starts at PAUSE_STEPS and doubles while the drafter keeps drafting nothing, up to
 # PAUSE_MAX_STEPS; a step that drafts ends it, and so does a smaller batch (what drafting costs and gains
 # turns on the batch: with fewer requests it may pay again). The paused steps' outcomes reach the drafter
-# together with the next DraftItem. The cap was 8 (an ask every 9th step, each first catching the
-# drafter up on the steps it missed); 32 measured no different within this CPU's noise (README
-# "Goodput-driven γ"), and asks fewer times for nothing. PAUSE_MIN_BATCH was 4: once the model
-# drafter's forwards and catch-ups were priced (they had been free), asks at batch 4 drafted nothing more
-# often, and the pauses skipped the suffix matches that pay there (GSM8K, 64 prompts: 499 of ~750 steps
-# paused, 1.01x; an ask costs ~3 ms of a 33 ms step there, 5 ms of a 61 ms one at batch 16).
+# together with the next DraftItem. Invariant: a paused step changes no output, only whether the
+# drafter is asked. Why the cap is 32 and the smallest paused batch 8: docs/decisions/drafter-pause.md.
 PAUSE_STEPS = 2
 PAUSE_MAX_STEPS = 32
 PAUSE_MIN_BATCH = 8
@@ -129,8 +125,8 @@ class SpecStep:
         self._step_times: list[tuple[int, bool, bool, float]] = []
         # (requests, verify seconds) of plain steps that did not ask the drafter (paused, guarded): the
         # cost model's one-token price follows them too, not only the steps that asked. The profile runs
-        # at short contexts and prices a step at real ones low (batch 8, HumanEval: 7% for a whole run,
-        # observed by only the few steps that asked), which made drafting look relatively cheaper.
+        # at short contexts and prices a step at real ones low; observed by only the few steps that
+        # asked, that made drafting look relatively cheaper (docs/decisions/goodput-pricing.md).
         self._plain_verifies: list[tuple[int, float]] = []
         self.pause = DrafterPause()
 
@@ -269,8 +265,8 @@ class SpecStep:
         colocated = self.drafter is not None and self.drafter.mode == "direct"
         # Only steps with a speculating request teach the drafter what host work drafting adds: a step of
         # target-only requests alone (the engine bench's step-paired twin batch, or traffic with speculation
-        # off) has no drafter work at all, and counted as a plain step it made drafting look dearer (batch 1
-        # GSM8K, step-paired: MAL 1.53 against 1.84 group-paired).
+        # off) has no drafter work at all, and counted as a plain step it made drafting look dearer
+        # (docs/decisions/bench-method.md).
         if colocated and eligible and len(self._step_times) < STEP_TIMES_MAX:
             seconds = time.perf_counter() - t0 - results[0].verify_seconds
             self._step_times.append((len(live), any(d.tokens for d in drafts), bool(proposed), seconds))

@@ -1,0 +1,226 @@
+"""Write the results tables of README.md and docs/ from the JSON files in bench/results/.
+
+    python scripts/results_tables.py           # rewrite every table between its markers
+    python scripts/results_tables.py --check   # exit 1 when a table is not what its JSON says
+
+A table sits between two marker comments; the first names the table's kind and its source files:
+
+    <!-- table:engine-grid bench/results/engine-b1-lockstep-2026-11-26i.json -->
+    ...generated...
+    <!-- /table -->
+
+Kinds (extra `key=value` words filter rows): engine-grid (the paired ratio of every speculative
+specd system per workload x temperature row and batch column), engine-systems (one row per system
+and cell: tok/s, α, tokens per step, ratios), serve (`specd bench serve` phases), osd (`specd bench
+osd` held-out acceptance), soak (`specd bench soak`). tests/test_docs.py runs --check's logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # run as a script from anywhere: import the checkout's bench
+
+from bench.report import cell_key, markdown_table  # noqa: E402
+
+MARKER = re.compile(r"<!-- table:(?P<spec>[^>]*?) -->\n(?P<body>.*?)<!-- /table -->", re.S)
+
+# The engine rows' `mean_accepted_length` field is emitted tokens / steps, which the docs call tokens
+# per step (the glossary's MAL is 1 + accepted / drafting steps).
+SYSTEM_COLUMNS = (
+    ("system", "system", None, ""),
+    ("workload", "workload", None, ""),
+    ("batch", "batch", None, ""),
+    ("T", "temperature", "g", ""),
+    ("tok/s", "tokens_per_s", ".1f", ""),
+    ("α", "acceptance_rate", ".2f", ""),
+    ("tokens/step", "mean_accepted_length", ".2f", ""),
+    ("vs target-only", "speedup_vs_target_only", ".2f", "x"),
+    ("paired", "speedup_vs_target_only_paired", ".3f", "x"),
+    ("paired 95%", "paired_ci95", "interval", ""),
+    ("greedy agreement", "greedy_agreement_vs_target_only", ".2f", ""),
+)
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    """README.md and every Markdown file under docs/."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def _load(root: Path, name: str):
+    return json.loads((root / name).read_text())
+
+
+def _filters(words: list[str]) -> tuple[list[str], dict[str, str]]:
+    files = [w for w in words if "=" not in w]
+    return files, dict(w.split("=", 1) for w in words if "=" in w)
+
+
+def _keep(row: dict, where: dict[str, str]) -> bool:
+    for key, value in where.items():
+        have = row.get({"T": "temperature"}.get(key, key))
+        if isinstance(have, (int, float)) and not isinstance(have, bool):
+            ok = any(float(have) == float(v) for v in value.split(","))
+        else:
+            ok = str(have) in value.split(",")
+        if not ok:
+            return False
+    return True
+
+
+def engine_rows(root: Path, files: list[str], where: dict[str, str]) -> list[dict]:
+    rows = []
+    for name in files:
+        rows += [r for r in _load(root, name)["rows"] if _keep(r, where)]
+    return rows
+
+
+def engine_grid(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """Rows workload x T (x system when several), columns batch: paired ratio [95%] (tokens/step)."""
+    rows = [r for r in engine_rows(root, files, where) if r.get("speculative_specd")]
+    systems = sorted({r["system"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    keys = sorted({(r["system"], r["workload"], r["temperature"]) for r in rows},
+                  key=lambda k: (systems.index(k[0]), k[1], k[2]))
+    by = {(r["system"], *cell_key(r)): r for r in rows}
+    head = (["system"] if len(systems) > 1 else []) + ["workload", "T"] + [f"batch {b}" for b in batches]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for system, workload, temp in keys:
+        cells = [system] if len(systems) > 1 else []
+        cells += [workload, f"{temp:g}"]
+        for b in batches:
+            r = by.get((system, workload, b, temp))
+            if r is None or r.get("speedup_vs_target_only_paired") is None:
+                cells.append("-")
+                continue
+            ci = r.get("paired_ci95")
+            interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+            cells.append(f"{r['speedup_vs_target_only_paired']:.3f}x{interval} "
+                         f"({r['mean_accepted_length']:.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def engine_systems(root: Path, files: list[str], where: dict[str, str]) -> str:
+    rows = engine_rows(root, files, where)
+    columns = [c for c in SYSTEM_COLUMNS if any(r.get(c[1]) is not None for r in rows)]
+    return markdown_table(rows, columns)
+
+
+def serve(root: Path, files: list[str], where: dict[str, str]) -> str:
+    lines = ["| file | phase | requests | tok/s | TTFT p50 | TPOT p50 | TPOT p90 | α | tokens/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
+    for name in files:
+        doc = _load(root, name)
+        for phase, p in doc["phases"].items():
+            drafted = p.get("drafted")
+            lines.append(
+                f"| `{Path(name).name}` | {phase} | {p['requests']} | {p['tokens_per_s']:.1f} | "
+                f"{p['ttft_s']['p50']:.2f} s | {p['tpot_s']['p50'] * 1000:.0f} ms | "
+                f"{p['tpot_s']['p90'] * 1000:.0f} ms | "
+                + (f"{p['acceptance_rate']:.2f} | {p['mean_accepted_length']:.2f} |" if drafted
+                   else "- | - |"))
+        f = doc["figures"]
+        text = f"`{Path(name).name}`: specd / target-only {f['speedup_specd_vs_target_only']:.3f}x"
+        if f.get("speedup_median") is not None:
+            rounds = ", ".join(f"{x:.2f}" for x in f["speedup_rounds"])
+            text += (f"; median of {len(f['speedup_rounds'])} rounds {f['speedup_median']:.3f}x ({rounds}), "
+                     f"TPOT p50 ratio median {f['tpot_p50_ratio_median']:.3f}")
+        ratios.append(text + ".")
+    return "\n".join(lines) + "\n\n" + "\n".join(ratios)
+
+
+def osd(root: Path, files: list[str], where: dict[str, str]) -> str:
+    lines = ["| file | held-out (γ = 3 chains) | GSM8K α | GSM8K first draft | HumanEval α | "
+             "HumanEval first draft |", "|---|---|---|---|---|---|"]
+    tails = []
+    for name in files:
+        doc = _load(root, name)
+        for stage in ("before", "after", "final", "reference"):
+            if doc[stage].get("gsm8k") is None:
+                continue
+            cells = []
+            for domain in ("gsm8k", "humaneval"):
+                for value, base in ((doc[stage][domain], doc["before"][domain]),
+                                    (doc["first_position"][stage][domain],
+                                     doc["first_position"]["before"][domain])):
+                    delta = f" ({value - base:+.3f})" if stage in ("after", "final") else ""
+                    cells.append(f"{value:.3f}{delta}")
+            lines.append(f"| `{Path(name).name}` | {stage} | " + " | ".join(cells) + " |")
+        t = doc["throughput_tokens_per_s"]
+        on_off = (f"throughput trainer on / off {t['on']:.1f} / {t['off']:.1f} tok/s "
+                  f"({doc['throughput_ratio_on_off']:.2f}x)" if t.get("off") else
+                  f"throughput {t['on']:.1f} tok/s")
+        m = doc["meta"]
+        tails.append(f"`{Path(name).name}`: {m['requests_per_domain']} requests per domain, "
+                     f"{doc['failed_requests']} failed, {on_off}, {m['duration_s'] / 60:.0f} min.")
+    return "\n".join(lines) + "\n\n" + "\n".join(tails)
+
+
+def soak(root: Path, files: list[str], where: dict[str, str]) -> str:
+    out = []
+    for name in files:
+        doc = _load(root, name)
+        out.append("| clients | minutes | requests | errors | tok/s | TPOT p50 | TPOT p99 |\n"
+                   "|---|---|---|---|---|---|---|\n"
+                   f"| {doc['clients']} | {doc['minutes']:g} | {doc['requests']} | {doc['errors']} | "
+                   f"{doc['tokens_per_s']:.1f} | {doc['tpot_p50_ms']:.0f} ms | {doc['tpot_p99_ms']:.0f} ms |")
+        rss = ["| process | RSS after warm-up (MiB) | largest after it | growth |", "|---|---|---|---|"]
+        for proc, g in sorted(doc["rss_growth_after_warmup_mib"].items()):
+            rss.append(f"| {proc} | {g['at_warmup_end']:.0f} | {g['max_after']:.0f} | {g['growth']:+.1f} |")
+        out.append("\n".join(rss))
+    return "\n\n".join(out)
+
+
+KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
+         "soak": soak}
+
+
+def sources(spec: str) -> list[str]:
+    """The result files a marker's spec names."""
+    return _filters(spec.split()[1:])[0]
+
+
+def render_table(spec: str, root: Path = ROOT) -> str:
+    kind, *words = spec.split()
+    if kind not in KINDS:
+        raise SystemExit(f"unknown table kind {kind!r}; known: {', '.join(KINDS)}")
+    files, where = _filters(words)
+    return KINDS[kind](root, files, where)
+
+
+def render(text: str, root: Path = ROOT) -> str:
+    """text with every table between markers regenerated."""
+    def one(m: re.Match) -> str:
+        return f"<!-- table:{m['spec']} -->\n{render_table(m['spec'], root)}\n<!-- /table -->"
+
+    return MARKER.sub(one, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    stale = []
+    for path in doc_files():
+        current = path.read_text()
+        wanted = render(current)
+        if current != wanted:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(wanted)
+    if args.check and stale:
+        print(f"stale tables in {', '.join(map(str, stale))}: run python scripts/results_tables.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""README.md and docs/: generated tables match their JSON, every cited file exists, every result file is
+cited, and no text names a numbered work session."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Written on other branches; linked from README and docs/operations.md before they land here.
+PENDING = {"docs/security.md", "docs/data-safety.md", "docs/kubernetes.md", "docs/overhead.md"}
+# A repository path in backticks or a link. A path right after "207ad13:" is a git object (a file that
+# left the tree, read with `git show`), not a file of the tree.
+TREE_PATH = re.compile(
+    r"(?<![\w:./-])((?:bench|cluster|configs|data|docker|docs|drafter_trainer|helm|proto|scripts|tests|workers)"
+    r"/[\w./-]*\w\.(?:py|sh|md|jsonl|json|png|proto|yaml|txt|tpl))(?!\w)")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def load_tables():
+    spec = importlib.util.spec_from_file_location("results_tables", ROOT / "scripts" / "results_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TABLES = load_tables()
+DOCS = TABLES.doc_files()
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _hidden(path: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(ROOT).parts)
+
+
+def _linked(doc: Path, text: str) -> list[str]:
+    """The repository paths a doc's relative links point at."""
+    return [_rel((doc.parent / t).resolve()) for t in LINK.findall(text) if "://" not in t]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_generated_tables_match_their_json(doc: Path) -> None:
+    text = doc.read_text()
+    assert TABLES.render(text) == text, f"{_rel(doc)}: stale table: python scripts/results_tables.py"
+
+
+def test_a_changed_number_is_caught(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "<!-- table:" in readme
+    body_start = readme.index("-->", readme.index("<!-- table:")) + 4
+    edited = readme[:body_start] + readme[body_start:].replace("x [", "x  [", 1)
+    assert TABLES.render(edited) != edited
+
+
+def test_every_cited_file_exists() -> None:
+    missing = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for path in TREE_PATH.findall(text):
+            if not (ROOT / path).exists() and path not in PENDING:
+                missing.append(f"{_rel(doc)}: {path}")
+        for target in _linked(doc, text):
+            if not (ROOT / target).exists() and target not in PENDING:
+                missing.append(f"{_rel(doc)}: link to {target}")
+        for marker in TABLES.MARKER.finditer(text):
+            missing += [f"{_rel(doc)}: table source {s}" for s in TABLES.sources(marker["spec"])
+                        if not (ROOT / s).is_file()]
+    assert not missing, missing
+
+
+def test_every_result_file_is_cited() -> None:
+    text = "\n".join(doc.read_text() for doc in DOCS)
+    cited = set(TREE_PATH.findall(text))
+    for doc in DOCS:
+        cited |= set(_linked(doc, doc.read_text()))
+    for marker in TABLES.MARKER.finditer(text):
+        cited |= set(TABLES.sources(marker["spec"]))
+    results = {_rel(p) for p in (ROOT / "bench" / "results").iterdir() if p.is_file()}
+    assert not results - cited, f"result files cited by no doc (git rm them): {sorted(results - cited)}"
+
+
+def test_code_cites_existing_docs() -> None:
+    missing = []
+    for path in ROOT.rglob("*"):
+        if path.suffix not in (".py", ".proto", ".sh", ".yaml") or _hidden(path):
+            continue
+        for cited in re.findall(r"docs/[\w./-]*\w\.md", path.read_text(errors="replace")):
+            if not (ROOT / cited).is_file() and cited not in PENDING:
+                missing.append(f"{_rel(path)}: {cited}")
+    assert not missing, missing
+
+
+def test_no_numbered_sessions() -> None:
+    pattern = re.compile(r"session [0-9]", re.I)
+    hits = [_rel(p) for p in ROOT.rglob("*") if p.suffix in (".py", ".md") and not _hidden(p)
+            and pattern.search(p.read_text(errors="replace"))]
+    assert not hits, hits
+
+
+def test_readme_is_short() -> None:
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
