@@ -1,7 +1,7 @@
 """The child side of `specd bench engine`: one system per process, JSON in, JSON out.
 
-The parent (bench/engine.py) starts `python -m bench.runners` or
-`python -m bench.vllm_runner` with a job file and an output path, and passes one pipe end as
+The parent (bench/engine.py) starts `python -m specd.bench.runners` or
+`python -m specd.bench.vllm_runner` with a job file and an output path, and passes one pipe end as
 `--events-fd`. The child writes progress as JSON lines on that pipe (its own stdout and stderr go to
 a log file: vLLM logs to stdout, which must not mix with the protocol) and its raw measurements to
 the output file. Everything a child measures is raw (token counts, wall times, per-request latencies,

@@ -14,10 +14,10 @@ from types import ModuleType
 
 # name: (module, one-line help)
 BENCHMARKS = {
-    "engine": ("bench.engine", "engine benchmark (no server): specd vs target-only, transformers and vLLM"),
-    "serve": ("bench.serve", "load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead"),
-    "osd": ("bench.osd", "online distillation: acceptance over a shifting stream"),
-    "soak": ("bench.soak", "long run: N streaming clients for D minutes, errors, RSS of every process, TPOT"),
+    "engine": ("specd.bench.engine", "engine benchmark (no server): specd vs target-only, transformers and vLLM"),
+    "serve": ("specd.bench.serve", "load over gRPC: specd vs target-only, pipeline overlap, router+Ray overhead"),
+    "osd": ("specd.bench.osd", "online distillation: acceptance over a shifting stream"),
+    "soak": ("specd.bench.soak", "long run: N streaming clients for D minutes, errors, RSS of every process, TPOT"),
 }
 
 

@@ -11,7 +11,14 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from workers.prompts import EVAL_ONLY_SOURCES, SOURCES, chat_messages, encode_prompt, load_prompts, load_split
+from specd.workers.prompts import (
+    EVAL_ONLY_SOURCES,
+    SOURCES,
+    chat_messages,
+    encode_prompt,
+    load_prompts,
+    load_split,
+)
 
 WORKLOADS = SOURCES
 # Workloads run only when asked for by name (not in the full plan): repeat = bench/repetition.py; chat =
@@ -22,7 +29,7 @@ EXTRA_WORKLOADS = ("repeat", *EVAL_ONLY_SOURCES)
 def workload_prompts(workload: str, num_prompts: int, tokenizer: Any) -> list[tuple[int, list[int]]]:
     """(row index, chat-templated token ids) of the first `num_prompts` eval-split prompts of one workload."""
     if workload == "repeat":
-        from bench.repetition import repetition_prompts
+        from specd.bench.repetition import repetition_prompts
 
         return repetition_prompts(num_prompts, tokenizer)
     return [(p.index, encode_prompt(tokenizer, p)) for p in load_split(workload, "eval")[:num_prompts]]

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.build import build_engine
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.types import NewRequest, SpecParams
-from workers.models.chat import ChatCodec
-from workers.models.loader import load_tokenizer
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.build import build_engine
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.chat import ChatCodec
+from specd.workers.models.loader import load_tokenizer
 
 DEMO_QUESTIONS = (
     "Janet has 3 boxes with 12 pencils each. She gives away 10 pencils. How many are left?",

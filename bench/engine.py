@@ -29,9 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import EXTRA_WORKLOADS, WORKLOADS, request_lengths, workload_prompts
-from bench.report import add_ratios, make_row, merge_rounds, render_table, sort_rows, write_json, write_plot
-from bench.systems import SYSTEMS, System, device_info
+from specd.bench.datasets import EXTRA_WORKLOADS, WORKLOADS, request_lengths, workload_prompts
+from specd.bench.report import (
+    add_ratios,
+    make_row,
+    merge_rounds,
+    render_table,
+    sort_rows,
+    write_json,
+    write_plot,
+)
+from specd.bench.systems import SYSTEMS, System, device_info
 
 # Room after prompt + max_new_tokens for the largest verify forward (a tree's nodes) before rollback.
 SEQ_MARGIN = 32
@@ -111,7 +119,7 @@ def unavailable_reason(system: System, cfg, queue: bool = False) -> str | None:
     if "vllm" in (system.kind, system.backend) and importlib.util.find_spec("vllm") is None:
         return "vllm is not installed"
     if system.needs_model_drafter:
-        from workers.drafters.model import resolve_drafter_dir
+        from specd.workers.drafters.model import resolve_drafter_dir
 
         try:
             resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, system.target_hidden)
@@ -136,8 +144,8 @@ def build_jobs(
     lockstep: bool = False, continuous: bool = False, lengths: str = "fixed",
 ) -> tuple[dict, dict, dict]:
     """The job of every runnable system, the reasons of the skipped ones, and the run's metadata."""
-    from configs import load_config
-    from workers.models.loader import ensure_target_model, load_tokenizer
+    from specd.configs import load_config
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
     cfg = load_config(overrides)
     model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
@@ -219,7 +227,7 @@ def child_env(job: dict[str, Any]) -> dict[str, str]:
 def run_child(job: dict[str, Any], workdir: Path, on_event) -> dict[str, Any]:
     """Run one system in `python -m <module>`; events arrive on a pipe, the result in a JSON file."""
     name = job["system"]
-    module = "bench.vllm_runner" if job["runner"] == "vllm" else "bench.runners"
+    module = "specd.bench.vllm_runner" if job["runner"] == "vllm" else "specd.bench.runners"
     job_path, out_path, log_path = (workdir / f"{name}.{ext}" for ext in ("job.json", "out.json", "log"))
     job_path.write_text(json.dumps(job))
     read_fd, write_fd = os.pipe()
@@ -454,7 +462,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.cli import run_alone
+    from specd.bench.cli import run_alone
 
     return run_alone("engine", sys.modules[__name__], argv)
 

@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import save_figure
-from bench.serve import ServerProcess
-from cluster.client import AsyncSpecdClient
-from cluster.online import SWAP_POLL_S
+from specd.bench.report import save_figure
+from specd.bench.serve import ServerProcess
+from specd.cluster.client import AsyncSpecdClient
+from specd.cluster.online import SWAP_POLL_S
 
 SWAP_DELAY_S = SWAP_POLL_S + 1.0   # a published version serves within the server's poll and a load
 
@@ -44,7 +44,7 @@ def stream_prompts(
 ) -> list[tuple[str, Any]]:
     """`per_domain` prompts of each domain in turn, the ones in `seen` ((source, row) pairs the starting
     drafter was trained on) last, cycling when a split has fewer rows (HumanEval's train split has 120)."""
-    from workers.prompts import load_split
+    from specd.workers.prompts import load_split
 
     out = []
     for d in domains:
@@ -59,8 +59,8 @@ def stream_prompts(
 def bootstrap_prompts(from_offline: bool) -> frozenset[tuple[str, int]]:
     """The train prompts the starting drafter was distilled on (bootstrap.py takes the first
     num_prompts of the interleaved train prompts; its hidden stage hidden_num_prompts of them)."""
-    from drafter_trainer.bootstrap import BootstrapConfig
-    from workers.prompts import load_prompts
+    from specd.drafter_trainer.bootstrap import BootstrapConfig
+    from specd.workers.prompts import load_prompts
 
     cfg = BootstrapConfig() if from_offline else BootstrapConfig.quick()
     limit = max(cfg.num_prompts, cfg.hidden_num_prompts or 0)
@@ -73,7 +73,7 @@ async def run_stream(
     """Each request's domain, α, tokens and drafter versions, in submission order; failures counted."""
     from tqdm import tqdm
 
-    from workers.prompts import chat_messages
+    from specd.workers.prompts import chat_messages
 
     client = AsyncSpecdClient(address, timeout=3600)
     queue = list(enumerate(prompts))
@@ -162,12 +162,12 @@ def heldout_acceptance(
     which no chain length dilutes."""
     from dataclasses import replace
 
-    from configs import load_config
-    from workers.core.sampling import SamplingParams
-    from workers.engine.build import build_engine
-    from workers.engine.types import NewRequest, SpecParams
-    from workers.models.loader import load_tokenizer
-    from workers.prompts import encode_prompt
+    from specd.configs import load_config
+    from specd.workers.core.sampling import SamplingParams
+    from specd.workers.engine.build import build_engine
+    from specd.workers.engine.types import NewRequest, SpecParams
+    from specd.workers.models.loader import load_tokenizer
+    from specd.workers.prompts import encode_prompt
 
     cfg = load_config(heldout_overrides(overrides))
     engine = build_engine(cfg, max_running=4)
@@ -246,7 +246,7 @@ def serving_at_domain_end(rows: list[dict | None], store: Path | None = None,
             drafted[r["domain"]] = r["versions"][-1]
         if r and "done_at" in r:
             ended[r["domain"]] = max(ended.get(r["domain"], 0.0), r["done_at"])
-    from workers.drafters.versions import read_current
+    from specd.workers.drafters.versions import read_current
 
     published = _published_times(store) if store is not None else []
     if not published or published[-1][1] != read_current(store):
@@ -264,7 +264,7 @@ def published_events(rows: list[dict | None], store: Path, swap_delay_s: float) 
     `swap_delay_s` after it was published: when it served, whether or not the model drafter then drafted
     (`swap_events` sees only versions that drafted). `records_seen`: the records the trainer had read when
     it published the version; the requests finished by then, less that, are how far behind it was."""
-    from workers.drafters.versions import VERSIONS_DIR, read_meta
+    from specd.workers.drafters.versions import VERSIONS_DIR, read_meta
 
     done = sorted((r["done_at"], r["index"]) for r in rows if r and "done_at" in r)
     events = []
@@ -283,7 +283,7 @@ def published_events(rows: list[dict | None], store: Path, swap_delay_s: float) 
 def _published_times(store: Path) -> list[tuple[float, str]]:
     """(publish time, version) of every version in the store, oldest first (`created` has whole seconds:
     each is taken as published at the end of its second)."""
-    from workers.drafters.versions import VERSIONS_DIR, read_meta
+    from specd.workers.drafters.versions import VERSIONS_DIR, read_meta
 
     out = []
     root = Path(store) / VERSIONS_DIR
@@ -296,8 +296,8 @@ def _published_times(store: Path) -> list[tuple[float, str]]:
 
 def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> str:
     """The drafter both runs start from: the quick one (built when missing) or the bootstrapped one."""
-    from cluster.first_start import quick_drafter_dirs
-    from workers.drafters.model import default_drafter_dir
+    from specd.cluster.first_start import quick_drafter_dirs
+    from specd.workers.drafters.model import default_drafter_dir
 
     if from_offline:
         path = default_drafter_dir(cache_dir, target_hidden=True)
@@ -306,8 +306,8 @@ def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> 
                 f"--from-offline: no bootstrapped drafter at {path} (run specd bootstrap-drafter)"
             )
         return str(path)
-    from cluster.first_start import ensure_serving_drafter
-    from configs import load_config
+    from specd.cluster.first_start import ensure_serving_drafter
+    from specd.configs import load_config
 
     cfg = load_config([f"cache_dir={cache_dir}"] if cache_dir else [])
     hidden = quick_drafter_dirs(cache_dir)[1]
@@ -361,8 +361,8 @@ def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Pat
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from configs import load_config
-    from workers.models.loader import ensure_target_model
+    from specd.configs import load_config
+    from specd.workers.models.loader import ensure_target_model
 
     if args.quick:
         args.requests_per_domain, args.heldout = min(args.requests_per_domain, 6), min(args.heldout, 2)
@@ -459,7 +459,7 @@ def reference_drafter(args: argparse.Namespace, start: str, cache_dir: str | Non
     """--reference DIR, else the offline (bootstrapped) drafter when it exists and is not the start."""
     if args.reference:
         return None if args.reference == "none" else args.reference
-    from workers.drafters.model import default_drafter_dir
+    from specd.workers.drafters.model import default_drafter_dir
 
     offline = default_drafter_dir(cache_dir, target_hidden=True)
     if (offline / "config.json").exists() and offline.resolve() != Path(start).resolve():
@@ -526,6 +526,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.cli import run_alone
+    from specd.bench.cli import run_alone
 
     return run_alone("osd", sys.modules[__name__], argv)

@@ -19,7 +19,7 @@ EDITED = 1_000_000   # added to an edited copy's row index: its seed and its id 
 
 
 def edit(prompt):
-    """The small edit of one workers.prompts.Prompt."""
+    """The small edit of one specd.workers.prompts.Prompt."""
     if prompt.source == "gsm8k":
         text = re.sub(r"\d+", lambda m: str(int(m.group()) + 1), prompt.text, count=1)
     else:
@@ -29,7 +29,7 @@ def edit(prompt):
 
 def repetition_prompts(num_prompts: int, tokenizer) -> list[tuple[int, list[int]]]:
     """(row index, token ids) of num_prompts prompts: originals each followed by their edited copy."""
-    from workers.prompts import encode_prompt, load_split
+    from specd.workers.prompts import encode_prompt, load_split
 
     sources = [load_split("gsm8k", "eval"), load_split("humaneval", "eval")]
     out = []

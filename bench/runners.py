@@ -1,6 +1,6 @@
 """The runners of `specd bench engine`'s in-house systems: specd's engine and transformers generate().
 
-Run as `python -m bench.runners JOB OUT --events-fd N` (protocol in bench/child.py), one system per
+Run as `python -m specd.bench.runners JOB OUT --events-fd N` (protocol in bench/child.py), one system per
 process; the systems are in bench/systems.py. Every runner warms up once (one short generate), then
 times only generation.
 """
@@ -10,23 +10,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.child import Events, add_request, child_main, finish_cell, groups, new_cell_result
-from bench.steady import Span, drive, latency_from_admission
-from bench.systems import SYSTEMS, device_info, specd_overrides
+from specd.bench.child import Events, add_request, child_main, finish_cell, groups, new_cell_result
+from specd.bench.steady import Span, drive, latency_from_admission
+from specd.bench.systems import SYSTEMS, device_info, specd_overrides
 
 WARMUP_TOKENS = 8
 
 def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
-    from configs import load_config
-    from workers.core.sampling import SamplingParams
-    from workers.drafters.base import SCRATCH_PREFIX
-    from workers.engine.build import build_engine
-    from workers.engine.types import NewRequest, SpecParams
+    from specd.configs import load_config
+    from specd.workers.core.sampling import SamplingParams
+    from specd.workers.drafters.base import SCRATCH_PREFIX
+    from specd.workers.engine.build import build_engine
+    from specd.workers.engine.types import NewRequest, SpecParams
 
     system = SYSTEMS[job["system"]]
     cfg = load_config(specd_overrides(system, job))
     if system.defaults:
-        from cluster.first_start import ensure_serving_drafter
+        from specd.cluster.first_start import ensure_serving_drafter
 
         ensure_serving_drafter(cfg, job["model_dir"])   # what `specd serve` does on a machine without one
     t0 = time.perf_counter()
@@ -142,8 +142,8 @@ def cell_lengths(job: dict[str, Any], cell: dict[str, Any]) -> list[int]:
 def _run_paired_base(engine, made: list, result: dict[str, Any]) -> None:
     """--paired: the same requests on the same engine with speculation off (scratch ids, so a drafter
     that learns from traffic never sees them); adds their wall time and tokens to `result`."""
-    from workers.drafters.base import SCRATCH_PREFIX
-    from workers.engine.types import NewRequest, SpecParams
+    from specd.workers.drafters.base import SCRATCH_PREFIX
+    from specd.workers.engine.types import NewRequest, SpecParams
 
     off = SpecParams(enabled=False)
     requests = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, n, off) for rid, p, sp, n in made]
@@ -162,8 +162,8 @@ def _run_lockstep(engine, mine: list, made: list, batch: int, max_new_tokens: in
     continuous (--continuous: the group is the cell's queue): each side is timed over the steady span
     (bench/steady.py), and the paired interval's pairs are windows of `max_new_tokens` turns in it;
     result["timed_tokens"] gets the speculative side's tokens in the span. admitted: as drive() fills it."""
-    from workers.drafters.base import SCRATCH_PREFIX
-    from workers.engine.types import NewRequest, SpecParams
+    from specd.workers.drafters.base import SCRATCH_PREFIX
+    from specd.workers.engine.types import NewRequest, SpecParams
 
     off = SpecParams(enabled=False)
     twins = [NewRequest(f"{SCRATCH_PREFIX}{rid}-base", p, sp, n, off) for rid, p, sp, n in made]
@@ -202,8 +202,8 @@ def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from configs import load_config
-    from workers.engine.runner import resolve_dtype
+    from specd.configs import load_config
+    from specd.workers.engine.runner import resolve_dtype
 
     system = SYSTEMS[job["system"]]
     target = load_config(job.get("overrides", [])).target

@@ -18,7 +18,7 @@ phase, as traffic whose answers differ in length does. Phases:
 
 Each phase reports throughput, time to first token and per-token latency percentiles, acceptance,
 and the workers' busy fractions and overlap (ServerInfo before/after). The server runs as its own
-process (`python -m cluster.serve`), stopped with SIGTERM, so clients and router do not share a GIL.
+process (`python -m specd.cluster.serve`), stopped with SIGTERM, so clients and router do not share a GIL.
 
     specd bench serve --quick
     specd bench serve --clients 8 --requests 32 --json out/serve.json drafter.kind=ngram
@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import mixed_prompts, request_lengths
-from cluster.client import AsyncSpecdClient
+from specd.bench.datasets import mixed_prompts, request_lengths
+from specd.cluster.client import AsyncSpecdClient
 
 
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
@@ -164,11 +164,11 @@ def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: i
     import torch
     from tqdm import tqdm
 
-    from cluster.first_start import ensure_serving_drafter
-    from configs import load_config
-    from workers.core.sampling import SamplingParams
-    from workers.engine.build import build_engine
-    from workers.engine.types import NewRequest, SpecParams
+    from specd.cluster.first_start import ensure_serving_drafter
+    from specd.configs import load_config
+    from specd.workers.core.sampling import SamplingParams
+    from specd.workers.engine.build import build_engine
+    from specd.workers.engine.types import NewRequest, SpecParams
 
     cfg = load_config(overrides)
     # the drafter the server serves with: without a bootstrapped one, the quick one (cluster/first_start.py)
@@ -198,14 +198,14 @@ def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: i
 
 
 class ServerProcess:
-    """`python -m cluster.serve` as a child process; the address is read from its ready line."""
+    """`python -m specd.cluster.serve` as a child process; the address is read from its ready line."""
 
     READY = re.compile(r"specd serving .* on (\S+?)(,|$)")
 
     def __init__(self, overrides: list[str], log_path: Path, timeout_s: float = 1800):
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 (lives as long as the process)
-        self.proc = subprocess.Popen([sys.executable, "-m", "cluster.serve", *overrides],
+        self.proc = subprocess.Popen([sys.executable, "-m", "specd.cluster.serve", *overrides],
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         deadline = time.monotonic() + timeout_s
         self.address = ""
@@ -276,8 +276,8 @@ def derived_figures(results: dict[str, dict]) -> dict[str, Any]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from configs import load_config
-    from workers.models.loader import ensure_target_model, load_tokenizer
+    from specd.configs import load_config
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
     if args.quick:
         args.requests, args.max_new_tokens = min(args.requests, 8), min(args.max_new_tokens, 32)
@@ -363,7 +363,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.cli import run_alone
+    from specd.bench.cli import run_alone
 
     return run_alone("serve", sys.modules[__name__], argv)
 
@@ -374,7 +374,7 @@ if __name__ == "__main__":
 
 def _device(overrides: list[str]) -> dict[str, Any]:
     """The target's device as configured for the server, with the GPU's name on CUDA."""
-    from bench.systems import device_info
-    from configs import load_config
+    from specd.bench.systems import device_info
+    from specd.configs import load_config
 
     return device_info(load_config(overrides).target.device)

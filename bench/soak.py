@@ -26,9 +26,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.report import save_figure
-from bench.serve import ServerProcess
-from cluster.client import AsyncSpecdClient
+from specd.bench.report import save_figure
+from specd.bench.serve import ServerProcess
+from specd.cluster.client import AsyncSpecdClient
 
 
 def process_label(cmdline: list[str], name: str) -> str:
@@ -38,7 +38,7 @@ def process_label(cmdline: list[str], name: str) -> str:
         return name.split(".")[0]
     if "redis-server" in joined or name == "redis-server":
         return "redis-server"
-    if "cluster.serve" in joined:
+    if "specd.cluster.serve" in joined:
         return "router"
     if "raylet" in name or "gcs_server" in name:
         return name
@@ -101,7 +101,7 @@ def windows(requests: list[dict], width_s: float) -> list[dict]:
 async def run_clients(address: str, clients: int, seconds: float, max_new_tokens: int) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from workers.prompts import chat_messages, load_prompts
+    from specd.workers.prompts import chat_messages, load_prompts
 
     prompts = load_prompts("eval")
     client = AsyncSpecdClient(address, timeout=600)
@@ -233,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.cli import run_alone
+    from specd.bench.cli import run_alone
 
     return run_alone("soak", sys.modules[__name__], argv)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 
 class Span:
-    """Tokens emitted by and seconds spent in each watched batch (a workers.engine.spec_engine.Batch of at
+    """Tokens emitted by and seconds spent in each watched batch (a specd.workers.engine.spec_engine.Batch of at
     most `size` running) until the first of them is no longer full; `timed` keeps the figures of that
     moment."""
 

@@ -1,6 +1,6 @@
 """vLLM systems of `specd bench engine`, in a child process of their own.
 
-Run as `python -m bench.vllm_runner JOB OUT --events-fd N` (protocol in bench/child.py). vLLM
+Run as `python -m specd.bench.vllm_runner JOB OUT --events-fd N` (protocol in bench/child.py). vLLM
 spawns its engine processes, so building `vllm.LLM` must happen under `if __name__ == "__main__":`.
 
 Settings chosen to compare like with like: the same converted float32 directory, prompts given as token
@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.child import Events, add_request, child_main, finish_cell, groups, new_cell_result
-from bench.runners import WARMUP_TOKENS
-from bench.systems import SYSTEMS
+from specd.bench.child import Events, add_request, child_main, finish_cell, groups, new_cell_result
+from specd.bench.runners import WARMUP_TOKENS
+from specd.bench.systems import SYSTEMS
 
 # vLLM's spec-decode counters, cumulative over the engine's life; a cell reads their difference.
 _COUNTERS = {

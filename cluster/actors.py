@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cluster import cpu_affinity
-from configs.schema import SpecdConfig
-from workers.engine.build import worker_seeds
+from specd.cluster import cpu_affinity
+from specd.configs.schema import SpecdConfig
+from specd.workers.engine.build import worker_seeds
 
 # A bundle must reserve something; an actor configured with no CPU and no GPU gets this sliver.
 _MIN_CPU = 0.01
@@ -157,8 +157,8 @@ class Cluster:
 
 
 def _default_classes() -> tuple[type, type]:
-    from workers.engine.draft_worker import DraftWorker
-    from workers.engine.target_worker import TargetWorker
+    from specd.workers.engine.draft_worker import DraftWorker
+    from specd.workers.engine.target_worker import TargetWorker
 
     return TargetWorker, DraftWorker
 

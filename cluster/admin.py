@@ -27,9 +27,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Quote, QuotedString
 from hydra.errors import HydraException
 
-from cluster.redact import redact_config, redact_text
-from configs import ConfigError, SpecdConfig, flatten, load_config
-from proto.specd.v1 import serving_pb2, serving_pb2_grpc
+from specd.cluster.redact import redact_config, redact_text
+from specd.configs import ConfigError, SpecdConfig, flatten, load_config
+from specd.proto.specd.v1 import serving_pb2, serving_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ class AdminServicer(serving_pb2_grpc.SpecdAdminServicer):
 
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_admin(args: argparse.Namespace) -> int:
-    from cluster.client import SpecdClient
-    from cluster.serve import client_security
+    from specd.cluster.client import SpecdClient
+    from specd.cluster.serve import client_security
 
     if args.token_env == "SPECD_ADMIN_TOKEN" and (args.action == "get"
                                                   or not os.environ.get("SPECD_ADMIN_TOKEN")):
@@ -187,7 +187,7 @@ def _cmd_admin(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers) -> None:
     """`specd admin set KEY=VALUE ...` and `specd admin get [KEY ...]` (called by cluster/cli.py)."""
-    from cluster.serve import add_client_options
+    from specd.cluster.serve import add_client_options
 
     p = subparsers.add_parser("admin", help="change speculation settings of a running server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from cluster.tls import ReloadingCertificates, server_credentials
-from configs.validate import OPEN_BIND_HELP, is_loopback_host, open_bind_refused
+from specd.cluster.tls import ReloadingCertificates, server_credentials
+from specd.configs.validate import OPEN_BIND_HELP, is_loopback_host, open_bind_refused
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class ServerSecurity:
 
     @classmethod
     def from_config(cls, server) -> ServerSecurity:
-        """`server` is configs.schema.ServerConfig; file problems fail here, before anything loads."""
+        """`server` is specd.configs.schema.ServerConfig; file problems fail here, before anything loads."""
         credentials = certificates = None
         if server.tls_cert_file or server.tls_key_file:
             if not (server.tls_cert_file and server.tls_key_file):

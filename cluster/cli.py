@@ -17,7 +17,7 @@ from importlib.metadata import distributions
 
 COMMAND_GROUP = "specd.commands"
 # cluster's own command modules, in the order `specd --help` lists them (before the entry points).
-_CLUSTER_COMMANDS = ("cluster.serve", "cluster.admin", "cluster.trainer_actor")
+_CLUSTER_COMMANDS = ("specd.cluster.serve", "specd.cluster.admin", "specd.cluster.trainer_actor")
 
 AddCli = Callable[[argparse._SubParsersAction], None]
 

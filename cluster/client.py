@@ -22,7 +22,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.specd.v1 import serving_pb2, serving_pb2_grpc
+from specd.proto.specd.v1 import serving_pb2, serving_pb2_grpc
 
 FINISH_NAMES = {
     serving_pb2.FINISH_REASON_UNSPECIFIED: "",
@@ -142,7 +142,7 @@ def _chunk(msg: serving_pb2.GenerateStreamResponse) -> Chunk:
 class Security:
     """How a client reaches a secured server. tls: use TLS (ca_file verifies the server, None = the
     system roots; cert_file/key_file for mutual TLS). token: sent as `authorization: Bearer <token>`;
-    read it with cluster.auth.client_token from a file or environment variable."""
+    read it with specd.cluster.auth.client_token from a file or environment variable."""
 
     tls: bool = False
     ca_file: str | None = None
@@ -161,7 +161,7 @@ class Security:
     def credentials(self) -> grpc.ChannelCredentials | None:
         if not (self.tls or self.ca_file or self.cert_file):
             return None
-        from cluster.auth import client_channel_credentials
+        from specd.cluster.auth import client_channel_credentials
 
         return client_channel_credentials(self.ca_file, self.cert_file, self.key_file)
 

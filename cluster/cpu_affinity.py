@@ -31,7 +31,7 @@ def runtime_env() -> dict:
     cpus = driver_cpus()
     if cpus is None:
         return {}
-    return {"worker_process_setup_hook": "cluster.cpu_affinity.apply", "env_vars": {ENV: cpus}}
+    return {"worker_process_setup_hook": "specd.cluster.cpu_affinity.apply", "env_vars": {ENV: cpus}}
 
 
 def apply() -> list[int]:

@@ -23,7 +23,7 @@ QUICK_NAME = "boot-quick"
 
 
 def quick_drafter_dirs(cache_dir: str | None) -> tuple[Path, Path]:
-    from workers.models.loader import default_cache_dir
+    from specd.workers.models.loader import default_cache_dir
 
     root = Path(cache_dir or default_cache_dir()) / "drafters"
     return root / QUICK_NAME, root / f"{QUICK_NAME}-hidden"
@@ -32,11 +32,11 @@ def quick_drafter_dirs(cache_dir: str | None) -> tuple[Path, Path]:
 def ensure_serving_drafter(cfg, model_dir: str) -> str | None:
     """Set cfg.drafter.path to the quick drafter when serving would otherwise find none; returns the
     path chosen, or None when config or the cache already name a drafter (or none is needed)."""
-    from workers.drafters.model import default_drafter_dir
+    from specd.workers.drafters.model import default_drafter_dir
 
     d = cfg.drafter
     hidden = bool(d.target_hidden) and cfg.target.backend == "torch"
-    from workers.drafters.registry import drafter_class
+    from specd.workers.drafters.registry import drafter_class
 
     if d.path or not drafter_class(d.kind).has_weights(d):
         return None
@@ -44,7 +44,7 @@ def ensure_serving_drafter(cfg, model_dir: str) -> str | None:
         return None
     token_dir, hidden_dir = quick_drafter_dirs(cfg.cache_dir)
     want = hidden_dir if hidden else token_dir
-    from drafter_trainer.bootstrap import BootstrapConfig, bootstrap_drafter
+    from specd.drafter_trainer.bootstrap import BootstrapConfig, bootstrap_drafter
 
     quick = BootstrapConfig.quick(target_dir=str(model_dir), out_dir=str(token_dir),
                                   hidden_out_dir=str(hidden_dir), target_hidden=hidden, progress=True)

@@ -26,9 +26,9 @@ from collections.abc import Awaitable, Callable
 
 from grpc_health.v1 import health, health_pb2
 
-from cluster.scheduler import QueueFull, Scheduler
-from workers.core.sampling import SamplingParams
-from workers.engine.types import FinishReason, NewRequest, SpecParams
+from specd.cluster.scheduler import QueueFull, Scheduler
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.types import FinishReason, NewRequest, SpecParams
 
 log = logging.getLogger(__name__)
 LIVENESS = "liveness"

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from cluster.redact import redact_text
-from cluster.scheduler import SchedulerObserver, ServedStats
-from workers.engine.types import Draft, VerifyResult
+from specd.cluster.redact import redact_text
+from specd.cluster.scheduler import SchedulerObserver, ServedStats
+from specd.workers.engine.types import Draft, VerifyResult
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)

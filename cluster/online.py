@@ -21,7 +21,7 @@ class OnlineParts:
     managed_redis: Any = None
     writer: Any = None
     recorder: Any = None
-    trainer: Any = None            # Ray actor handle of cluster.trainer_actor.TrainerActor
+    trainer: Any = None            # Ray actor handle of specd.cluster.trainer_actor.TrainerActor
     drafters: list = field(default_factory=list)   # DrafterHandles of the DraftWorkers following the store
     store: str | None = None
 
@@ -42,12 +42,12 @@ class OnlineParts:
 
 def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistry | None) -> OnlineParts:
     """Start what config asks for; `drafters`: the replicas' DraftWorkers (Ray actor handles)."""
-    from cluster.redact import redact_text
-    from cluster.redis_server import open_redis
-    from cluster.replay import ReplayRecorder
-    from cluster.replay_writer import ReplayWriter
-    from cluster.trainer_actor import start_trainer_actor, store_root
-    from workers.drafters.versions import target_checksum
+    from specd.cluster.redact import redact_text
+    from specd.cluster.redis_server import open_redis
+    from specd.cluster.replay import ReplayRecorder
+    from specd.cluster.replay_writer import ReplayWriter
+    from specd.cluster.trainer_actor import start_trainer_actor, store_root
+    from specd.workers.drafters.versions import target_checksum
 
     parts = OnlineParts()
     if not cfg.replay.enabled:
@@ -65,7 +65,7 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
     log.info("replay records -> %s stream %s (MAXLEN ~%d)", redact_text(endpoint.url), r.stream, r.maxlen)
     if not cfg.trainer.enabled:
         return parts
-    from workers.drafters.registry import drafter_class
+    from specd.workers.drafters.registry import drafter_class
 
     if not drafter_class(cfg.drafter.kind).has_weights(cfg.drafter):
         log.warning("trainer off: drafter.kind=%s has no model drafter to train (use model, hybrid, or "
@@ -73,7 +73,7 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
         return parts
     parts.trainer = start_trainer_actor(cfg, endpoint)
     parts.store = str(store_root(cfg))
-    from workers.engine.handles import DrafterHandle
+    from specd.workers.engine.handles import DrafterHandle
 
     parts.drafters = [DrafterHandle(d, f"drafter-{i}") for i, d in enumerate(drafters)]
     return parts

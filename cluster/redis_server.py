@@ -51,7 +51,7 @@ class RedisEndpoint:
         )
 
     def __repr__(self) -> str:  # the password never reaches a log line
-        from cluster.redact import redact_text
+        from specd.cluster.redact import redact_text
 
         return f"RedisEndpoint(url={redact_text(self.url)!r})"
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from cluster.scheduler import SchedulerObserver, ServedStats
-from proto.replay_codec import RecordBuilder
-from workers.engine.types import Draft, VerifyResult
+from specd.cluster.scheduler import SchedulerObserver, ServedStats
+from specd.proto.replay_codec import RecordBuilder
+from specd.workers.engine.types import Draft, VerifyResult
 
 
 @dataclass
@@ -44,7 +44,7 @@ class ReplayRecorder(SchedulerObserver):
         )
 
     def on_request_done(self, seq, reason: str) -> None:
-        """seq: workers.engine.sequence.Sequence of the finished (or cancelled, or failed) request."""
+        """seq: specd.workers.engine.sequence.Sequence of the finished (or cancelled, or failed) request."""
         history = self._running.pop(seq.request_id, None)
         self._done[seq.request_id] = None
         if len(self._done) > 4096:

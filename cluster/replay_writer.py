@@ -19,9 +19,9 @@ import time
 import redis
 from prometheus_client import CollectorRegistry, Counter
 
-from cluster.redis_server import RedisEndpoint
-from proto.replay_codec import encode_record
-from proto.specd.v1.replay_pb2 import ReplayRecord
+from specd.cluster.redis_server import RedisEndpoint
+from specd.proto.replay_codec import encode_record
+from specd.proto.specd.v1.replay_pb2 import ReplayRecord
 
 log = logging.getLogger(__name__)
 RECORD_FIELD = b"r"       # the stream entry's one field: the serialised ReplayRecord

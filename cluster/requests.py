@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from workers.core.stats import RequestStats
-from workers.engine.sequence import Sequence
-from workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
+from specd.workers.core.stats import RequestStats
+from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
 
 
 class QueueFull(RuntimeError):

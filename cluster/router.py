@@ -6,7 +6,7 @@ liveness and readiness services of cluster/health_probe.py) says
 NOT_SERVING until the backend (models loaded and warm) is attached, and server reflection lets a
 generic client (grpcurl, grpcui) discover the API.
 
-Status codes: INVALID_ARGUMENT for bad input (message from cluster.validation), RESOURCE_EXHAUSTED
+Status codes: INVALID_ARGUMENT for bad input (message from specd.cluster.validation), RESOURCE_EXHAUSTED
 when the admission queue is full, UNAVAILABLE while loading or shutting down, INTERNAL when a worker
 failed on the request. A client cancel or deadline aborts the request, which frees its KV slots.
 """
@@ -24,16 +24,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.admin import AdminServicer
-from cluster.auth import ServerSecurity
-from cluster.health_probe import SpecdHealth
-from cluster.metrics import SpecdMetrics
-from cluster.redact import redact_config
-from cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
-from cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
-from configs.validate import is_loopback_host
-from proto.specd.v1 import serving_pb2, serving_pb2_grpc
-from workers.engine.types import FinishReason, NewRequest
+from specd.cluster.admin import AdminServicer
+from specd.cluster.auth import ServerSecurity
+from specd.cluster.health_probe import SpecdHealth
+from specd.cluster.metrics import SpecdMetrics
+from specd.cluster.redact import redact_config
+from specd.cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
+from specd.cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
+from specd.configs.validate import is_loopback_host
+from specd.proto.specd.v1 import serving_pb2, serving_pb2_grpc
+from specd.workers.engine.types import FinishReason, NewRequest
 
 # worker_stats() also carries metrics-only keys (the goodput EMAs) that ServerInfo does not report
 _WORKER_FIELDS = frozenset(serving_pb2.WorkerStats.DESCRIPTOR.fields_by_name)

@@ -15,7 +15,7 @@ smallest) and leave it between steps. The previous step's verify result travels 
 DraftItem's commit fields, so the drafter rolls back to the verified prefix in the same call.
 
 Each request's stopping rules, γ cap, commit fields and step statistics live in
-workers.engine.sequence.Sequence. No Ray or gRPC here: workers are reached through the typed handles of
+specd.workers.engine.sequence.Sequence. No Ray or gRPC here: workers are reached through the typed handles of
 workers/engine/handles.py, so tests drive the scheduler with in-process fakes (each on its own thread)
 and the server with Ray actor handles.
 """
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from cluster.requests import (
+from specd.cluster.requests import (
     FinishEvent,
     QueueFull,
     RequestHandle,
@@ -40,11 +40,11 @@ from cluster.requests import (
     ServedStats,
     TokensEvent,
 )
-from workers.core.guard import SpeculationGuard
-from workers.engine.handles import DrafterHandle, TargetHandle
-from workers.engine.sequence import Sequence
-from workers.engine.step import SpecStep, StepOutcome
-from workers.engine.types import FinishReason, NewRequest
+from specd.workers.core.guard import SpeculationGuard
+from specd.workers.engine.handles import DrafterHandle, TargetHandle
+from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.step import SpecStep, StepOutcome
+from specd.workers.engine.types import FinishReason, NewRequest
 
 log = logging.getLogger(__name__)
 REPLICA_RETRY_S = 2.0     # how often a replica whose target died is asked whether it is back

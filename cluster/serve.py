@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.schema import ServerConfig, SpecdConfig
-from workers.core.sampling import SamplingParams
-from workers.engine.types import NewRequest, SpecParams
+from specd.configs.schema import ServerConfig, SpecdConfig
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.types import NewRequest, SpecParams
 
 log = logging.getLogger(__name__)
 WORKER_STATS_PERIOD_S = 10.0
@@ -52,7 +52,7 @@ class _Resources:
     cluster: Any = None
     scheduler: Any = None
     metrics_http: Any = None
-    online: Any = None                  # cluster.online.OnlineParts
+    online: Any = None                  # specd.cluster.online.OnlineParts
     tasks: list[asyncio.Task] = field(default_factory=list)
     grace_s: float = 10.0               # server.shutdown_grace_s
 
@@ -96,7 +96,7 @@ def serve(cfg: SpecdConfig, ready_callback=None) -> int:
         # pipeline cannot drive. Refuse rather than silently serve with the torch engine.
         raise ValueError(
             f"specd serve runs target.backend=torch only (got {cfg.target.backend!r}); the vllm backend "
-            "is available through workers.engine.vllm_engine.VllmEngine and `specd bench engine`"
+            "is available through specd.workers.engine.vllm_engine.VllmEngine and `specd bench engine`"
         )
     return asyncio.run(_serve(cfg, ready_callback))
 
@@ -134,12 +134,12 @@ async def _serve(cfg: SpecdConfig, ready_callback) -> int:
 async def _bring_up(
     cfg: SpecdConfig, res: _Resources, loop, stop: asyncio.Event, ready_callback, install_signals
 ) -> None:
-    from cluster.auth import ServerSecurity
-    from cluster.metrics import SpecdMetrics
-    from cluster.router import Backend, GrpcServer, SpecdServicer
-    from cluster.scheduler import Scheduler
-    from cluster.validation import Bounds
-    from configs import flatten
+    from specd.cluster.auth import ServerSecurity
+    from specd.cluster.metrics import SpecdMetrics
+    from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+    from specd.cluster.scheduler import Scheduler
+    from specd.cluster.validation import Bounds
+    from specd.configs import flatten
 
     t0 = time.perf_counter()
     security = ServerSecurity.from_config(cfg.server)
@@ -156,8 +156,8 @@ async def _bring_up(
 
     metrics = SpecdMetrics()
     metrics.server_insecure.set(1.0 if security.insecure else 0.0)
-    from cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
-    from cluster.replay import ObserverFanout
+    from specd.cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
+    from specd.cluster.replay import ObserverFanout
 
     res.online = await asyncio.to_thread(start_online, cfg, str(model_dir),
                                          [r.drafter for r in res.cluster.replicas], metrics.registry)
@@ -196,7 +196,7 @@ async def _bring_up(
     metrics.set_live_config(backend.bounds, cfg.drafter.version_pin)
     await res.grpc.attach(backend)
     if cfg.server.health_probe_s > 0:
-        from cluster.health_probe import HealthProber
+        from specd.cluster.health_probe import HealthProber
 
         spec = SpecParams.from_config(cfg.spec)
         prober = HealthProber(res.scheduler, codec.encode("Hello"), spec, res.grpc.set_serving,
@@ -211,10 +211,10 @@ async def _bring_up(
 async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
     """Ray, the target model (converted once), a drafter to serve with, and every replica's actors;
     returns (model dir, chat codec, each replica's target info, each replica's request capacity)."""
-    from cluster import actors
-    from cluster.first_start import ensure_serving_drafter
-    from workers.models.chat import ChatCodec
-    from workers.models.loader import ensure_target_model, load_tokenizer
+    from specd.cluster import actors
+    from specd.cluster.first_start import ensure_serving_drafter
+    from specd.workers.models.chat import ChatCodec
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
@@ -241,7 +241,7 @@ async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:
 
 
 async def _poll_worker_stats(scheduler, metrics, online=None, online_metrics=None) -> None:
-    from cluster.online import poll_online
+    from specd.cluster.online import poll_online
 
     while True:
         await asyncio.sleep(WORKER_STATS_PERIOD_S)
@@ -271,7 +271,7 @@ async def _shut_down(res: _Resources) -> None:
     if res.metrics_http is not None:
         res.metrics_http.shutdown()
     if res.cluster is not None:
-        from cluster.actors import shutdown_cluster
+        from specd.cluster.actors import shutdown_cluster
 
         await asyncio.to_thread(shutdown_cluster, res.cluster)
     if res.started_ray:
@@ -284,8 +284,8 @@ async def _shut_down(res: _Resources) -> None:
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from cluster.redact import install_log_redaction
-    from configs import ConfigError
+    from specd.cluster.redact import install_log_redaction
+    from specd.configs import ConfigError
 
     install_log_redaction()
 
@@ -300,7 +300,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def config_from_args(args: argparse.Namespace) -> SpecdConfig:
     """The validated config of `specd serve [--config-dir D] [--config-name N] [--overrides-file F]
     overrides...`: a bad key or value fails here, before Ray or a model loads."""
-    from configs import load_config
+    from specd.configs import load_config
 
     overrides = read_overrides_file(args.overrides_file) + list(args.overrides)
     return load_config(overrides, config_name=args.config_name, config_dir=args.config_dir)
@@ -340,8 +340,8 @@ def add_client_options(p: argparse.ArgumentParser) -> None:
 
 
 def client_security(args: argparse.Namespace):
-    from cluster.auth import client_token
-    from cluster.client import Security
+    from specd.cluster.auth import client_token
+    from specd.cluster.client import Security
 
     return Security(tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file,
                     token=client_token(args.token_file, args.token_env))
@@ -350,7 +350,7 @@ def client_security(args: argparse.Namespace):
 def _cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from cluster.client import SpecdClient
+    from specd.cluster.client import SpecdClient
 
     kw: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -411,8 +411,8 @@ def add_cli(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cluster.serve [overrides]`: the same as `specd serve` (benchmarks start it this way)."""
-    parser = argparse.ArgumentParser(prog="python -m cluster.serve")
+    """`python -m specd.cluster.serve [overrides]`: the same as `specd serve` (benchmarks start it this way)."""
+    parser = argparse.ArgumentParser(prog="python -m specd.cluster.serve")
     add_config_options(parser)
     return _cmd_serve(parser.parse_args(argv))
 

@@ -77,7 +77,7 @@ class ReloadingCertificates:
 
 
 def server_credentials(server) -> tuple[grpc.ServerCredentials, ReloadingCertificates]:
-    """TLS credentials for `server` (configs.schema.ServerConfig) that follow its files."""
+    """TLS credentials for `server` (specd.configs.schema.ServerConfig) that follow its files."""
     if server.tls_min_version not in TLS_VERSIONS:
         raise ValueError(f"server.tls_min_version={server.tls_min_version!r}: one of {list(TLS_VERSIONS)}")
     if server.tls_min_version == "1.3":

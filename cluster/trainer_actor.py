@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cluster.redis_server import RedisEndpoint, endpoint_from_config
+from specd.cluster.redis_server import RedisEndpoint, endpoint_from_config
 
 log = logging.getLogger(__name__)
 FAILURES_BEFORE_RESTART = 3     # non-Redis failures in a row that end the actor (Ray restarts it)
@@ -83,7 +83,7 @@ def run_loop(trainer, stop: threading.Event, health: LoopHealth,
 
 def store_root(cfg) -> Path:
     """Where online versions are published: trainer.out_dir, else <cache>/drafters/online."""
-    from workers.models.loader import default_cache_dir
+    from specd.workers.models.loader import default_cache_dir
 
     if cfg.trainer.out_dir:
         return Path(cfg.trainer.out_dir)
@@ -102,14 +102,14 @@ def lower_priority(tcfg) -> None:
 
 
 def build_trainer(cfg, endpoint: RedisEndpoint):
-    """An OnlineTrainer for `cfg` (configs.schema.SpecdConfig) reading the stream at `endpoint`."""
+    """An OnlineTrainer for `cfg` (specd.configs.schema.SpecdConfig) reading the stream at `endpoint`."""
     import torch
 
-    from drafter_trainer.online import OnlineTrainer
-    from drafter_trainer.online_data import TargetTeacher, trainer_dtype
-    from drafter_trainer.replay_source import ReplaySource
-    from workers.drafters.model import resolve_drafter_dir
-    from workers.models.loader import ensure_target_model
+    from specd.drafter_trainer.online import OnlineTrainer
+    from specd.drafter_trainer.online_data import TargetTeacher, trainer_dtype
+    from specd.drafter_trainer.replay_source import ReplaySource
+    from specd.workers.drafters.model import resolve_drafter_dir
+    from specd.workers.models.loader import ensure_target_model
 
     torch.set_num_threads(max(1, int(cfg.trainer.num_cpus)))
     target_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
@@ -166,7 +166,7 @@ def start_trainer_actor(cfg, endpoint: RedisEndpoint):
 
 # ---- `specd train` -----------------------------------------------------------------------------
 def _cmd_train(args: argparse.Namespace) -> int:
-    from configs import load_config
+    from specd.configs import load_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.overrides)

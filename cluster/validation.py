@@ -12,11 +12,11 @@ import struct
 from dataclasses import dataclass
 from typing import Protocol
 
-from configs.schema import SpecdConfig
-from proto.specd.v1 import serving_pb2
-from workers.core.gamma import GAMMA_POLICIES
-from workers.core.sampling import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
-from workers.engine.types import SpecParams
+from specd.configs.schema import SpecdConfig
+from specd.proto.specd.v1 import serving_pb2
+from specd.workers.core.gamma import GAMMA_POLICIES
+from specd.workers.core.sampling import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
+from specd.workers.engine.types import SpecParams
 
 # Generous but finite: stop strings are searched in the decoded text after every step.
 MAX_STOP_STRINGS = 16

@@ -13,8 +13,8 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.schema import SpecdConfig, register
-from configs.validate import ConfigError, check, from_hydra
+from specd.configs.schema import SpecdConfig, register
+from specd.configs.validate import ConfigError, check, from_hydra
 
 __all__ = ["ConfigError", "flatten", "load_config", "override_value", "SpecdConfig"]
 
@@ -30,7 +30,7 @@ def load_config(
     register()
     try:
         if config_dir is None:
-            with initialize_config_module(config_module="configs", version_base="1.3"):
+            with initialize_config_module(config_module="specd.configs", version_base="1.3"):
                 cfg = compose(config_name=config_name, overrides=list(overrides or []))
         else:
             directory = Path(config_dir).expanduser().resolve()

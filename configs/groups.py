@@ -17,7 +17,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from configs.schema import (
+from specd.configs.schema import (
     Divergence,
     DrafterConfig,
     DrafterKind,

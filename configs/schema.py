@@ -43,7 +43,7 @@ class Decode(StrEnum):
 
 
 class DrafterKind(StrEnum):
-    """Names registered in workers.drafters.registry (tests/configs checks they agree)."""
+    """Names registered in specd.workers.drafters.registry (tests/configs checks they agree)."""
 
     model = "model"
     ngram = "ngram"
@@ -58,7 +58,7 @@ class Pack(StrEnum):
 
 
 class GammaPolicyName(StrEnum):
-    """Names in workers.core.gamma.GAMMA_POLICIES (tests/configs checks they agree)."""
+    """Names in specd.workers.core.gamma.GAMMA_POLICIES (tests/configs checks they agree)."""
 
     fixed = "fixed"
     egag = "egag"
@@ -110,7 +110,7 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    # workers.drafters.registry.DRAFTERS: model, ngram, hybrid, suffix. Default: the suffix index over
+    # specd.workers.drafters.registry.DRAFTERS: model, ngram, hybrid, suffix. Default: the suffix index over
     # served traffic and each request's own context, with the model drafter where it promises more
     # (docs/speculation.md).
     kind: DrafterKind = DrafterKind.suffix
@@ -344,7 +344,7 @@ class SpecdConfig:
 
 
 def register() -> None:
-    from configs.groups import register_groups
+    from specd.configs.groups import register_groups
 
     cs = ConfigStore.instance()
     cs.store(name="specd_schema", node=SpecdConfig)

@@ -145,7 +145,7 @@ def from_hydra(exc: Exception) -> ConfigError:
 def _known_keys(section: str) -> list[str]:
     from dataclasses import fields, is_dataclass
 
-    from configs.schema import SpecdConfig
+    from specd.configs.schema import SpecdConfig
 
     node: Any = SpecdConfig
     for part in filter(None, section.split(".")):

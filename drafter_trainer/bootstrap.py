@@ -35,22 +35,22 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from drafter_trainer import data
-from drafter_trainer.distill import DrafterLM, TeacherSequence, evaluate, train_drafter
-from drafter_trainer.drafter_format import make_drafter_config, save_drafter
-from drafter_trainer.hidden_stage import bootstrap_hidden_drafter
-from drafter_trainer.teacher import (
+from specd.drafter_trainer import data
+from specd.drafter_trainer.distill import DrafterLM, TeacherSequence, evaluate, train_drafter
+from specd.drafter_trainer.drafter_format import make_drafter_config, save_drafter
+from specd.drafter_trainer.hidden_stage import bootstrap_hidden_drafter
+from specd.drafter_trainer.teacher import (
     TEACHERS,
     Teacher,
     cache_root,
     collect_teacher_data,
 )
-from workers.prompts import GENERAL_SOURCES, SOURCES
+from specd.workers.prompts import GENERAL_SOURCES, SOURCES
 
 
 @dataclass
 class BootstrapConfig:
-    target_dir: str | None = None  # None: workers.models.loader.ensure_target_model()
+    target_dir: str | None = None  # None: specd.workers.models.loader.ensure_target_model()
     out_dir: str | None = None  # None: <cache_root>/drafters/boot-default
     sources: tuple[str, ...] = SOURCES
     num_prompts: int = 480  # train prompts the target continues
@@ -353,7 +353,7 @@ def build_arg_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 
 def _source_list(text: str) -> tuple[str, ...]:
-    from workers.prompts import SPLITS, split_indices
+    from specd.workers.prompts import SPLITS, split_indices
 
     sources = tuple(s.strip() for s in text.split(",") if s.strip())
     unknown = [s for s in sources if s not in SPLITS]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save
 
-from drafter_trainer.durable import rename_durably, sync_tree, write_text
+from specd.drafter_trainer.durable import rename_durably, sync_tree, write_text
 
 log = logging.getLogger(__name__)
 STATE_DIR = "trainer-state"

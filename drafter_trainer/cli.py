@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from drafter_trainer import bootstrap
-from drafter_trainer.hidden_stage import bootstrap_hidden_drafter
+from specd.drafter_trainer import bootstrap
+from specd.drafter_trainer.hidden_stage import bootstrap_hidden_drafter
 
 
 def run(args: argparse.Namespace) -> int:

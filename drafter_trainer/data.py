@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from workers.prompts import SOURCES, SPLITS, Prompt, encode_prompt, load_prompts
+from specd.workers.prompts import SOURCES, SPLITS, Prompt, encode_prompt, load_prompts
 
 
 def train_prompts(sources: Sequence[str] = SOURCES, limit: int | None = None) -> list[Prompt]:

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from workers.drafters.versions import META_FILE, WEIGHTS_FILE, sha256_file
+from specd.workers.drafters.versions import META_FILE, WEIGHTS_FILE, sha256_file
 
 CONFIG_FILE = "config.json"
 FORMAT_VERSION = 1

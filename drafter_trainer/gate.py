@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from drafter_trainer.losses import dense_teacher
-from drafter_trainer.online_data import Example, Student
+from specd.drafter_trainer.losses import dense_teacher
+from specd.drafter_trainer.online_data import Example, Student
 
 
 @dataclass

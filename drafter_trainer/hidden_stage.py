@@ -27,9 +27,15 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from drafter_trainer.distill import DrafterLM, TeacherSequence, greedy_matches, topk_forward_kl, warmup_cosine
-from drafter_trainer.drafter_format import load_drafter, save_drafter
-from drafter_trainer.teacher import TeacherData, collect_teacher_data
+from specd.drafter_trainer.distill import (
+    DrafterLM,
+    TeacherSequence,
+    greedy_matches,
+    topk_forward_kl,
+    warmup_cosine,
+)
+from specd.drafter_trainer.drafter_format import load_drafter, save_drafter
+from specd.drafter_trainer.teacher import TeacherData, collect_teacher_data
 
 
 class HiddenDrafterLM(nn.Module):
@@ -231,7 +237,7 @@ def simulate_chain(model, sequences, states, gamma: int = 4, stride: int = 3) ->
 def bootstrap_hidden_drafter(cfg: Any, base_dir: Path, td: TeacherData | None = None) -> Path:
     """Second stage: the token drafter at base_dir (a BootstrapConfig's first stage), fine-tuned to read
     target hidden states on the same data; written to cfg.resolved_hidden_out_dir()."""
-    from workers.engine.runner import ModelRunner
+    from specd.workers.engine.runner import ModelRunner
 
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()

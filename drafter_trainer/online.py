@@ -35,11 +35,11 @@ from pathlib import Path
 import redis
 import torch
 
-from drafter_trainer.checkpoint import TrainerState, load_state, save_state
-from drafter_trainer.drafter_format import load_drafter
-from drafter_trainer.gate import GateScore, LiveMonitor, passes, score
-from drafter_trainer.losses import dense_teacher, weighted_loss
-from drafter_trainer.online_data import (
+from specd.drafter_trainer.checkpoint import TrainerState, load_state, save_state
+from specd.drafter_trainer.drafter_format import load_drafter
+from specd.drafter_trainer.gate import GateScore, LiveMonitor, passes, score
+from specd.drafter_trainer.losses import dense_teacher, weighted_loss
+from specd.drafter_trainer.online_data import (
     Example,
     Student,
     TargetTeacher,
@@ -48,10 +48,10 @@ from drafter_trainer.online_data import (
     record_steps,
     trainer_dtype,
 )
-from drafter_trainer.publish import TARGET_TENSORS, VersionStore, write_current_durably
-from drafter_trainer.replay_source import ReplaySource
-from proto.replay_codec import ReplayFormatError, decode_record
-from workers.drafters.versions import VERSIONS_DIR, load_version, target_checksum, version_dir
+from specd.drafter_trainer.publish import TARGET_TENSORS, VersionStore, write_current_durably
+from specd.drafter_trainer.replay_source import ReplaySource
+from specd.proto.replay_codec import ReplayFormatError, decode_record
+from specd.workers.drafters.versions import VERSIONS_DIR, load_version, target_checksum, version_dir
 
 log = logging.getLogger(__name__)
 # TrainerStats fields a checkpoint carries over a restart
@@ -88,7 +88,7 @@ class TrainerStats:
 class OnlineTrainer:
     def __init__(self, cfg, source: ReplaySource, target_dir: str | Path, base_drafter_dir: str | Path,
                  store_root: str | Path, *, teacher: TargetTeacher | None = None, seed: int = 0):
-        """cfg: configs.schema.TrainerConfig. base_drafter_dir: the drafter serving starts from (a full
+        """cfg: specd.configs.schema.TrainerConfig. base_drafter_dir: the drafter serving starts from (a full
         drafter directory); it becomes the store's first version when the store is empty."""
         self.cfg = cfg
         self.source = source

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafter_trainer.distill import DrafterLM
-from drafter_trainer.hidden_stage import HiddenDrafterLM, input_features
-from drafter_trainer.losses import position_weights
-from proto.replay_codec import tensor_to_torch
-from proto.specd.v1.replay_pb2 import ReplayRecord
+from specd.drafter_trainer.distill import DrafterLM
+from specd.drafter_trainer.hidden_stage import HiddenDrafterLM, input_features
+from specd.drafter_trainer.losses import position_weights
+from specd.proto.replay_codec import tensor_to_torch
+from specd.proto.specd.v1.replay_pb2 import ReplayRecord
 
 FEATURE_PROJ = "model.feature_proj.weight"
 
@@ -100,7 +100,7 @@ class TargetTeacher:
 
     def __init__(self, target_dir: str | Path, top_k: int = 32, device: str = "cpu", max_seq_len: int = 4096,
                  chunk: int = 256, dtype: torch.dtype = torch.float32):
-        from workers.engine.runner import ModelRunner
+        from specd.workers.engine.runner import ModelRunner
 
         self.runner = ModelRunner(target_dir, device=device, dtype=dtype, max_slots=1,
                                   max_seq_len=max_seq_len)

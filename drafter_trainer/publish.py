@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from drafter_trainer.durable import rename_durably, sync_tree, write_text
-from workers.drafters.versions import (
+from specd.drafter_trainer.durable import rename_durably, sync_tree, write_text
+from specd.workers.drafters.versions import (
     CURRENT_FILE,
     META_FILE,
     VERSIONS_DIR,

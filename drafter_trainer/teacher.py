@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from drafter_trainer import data
-from drafter_trainer.distill import TeacherSequence
+from specd.drafter_trainer import data
+from specd.drafter_trainer.distill import TeacherSequence
 
 _Gen = torch.Generator | None
 Teacher = Callable[[Sequence[list[int]], float, int], list[TeacherSequence]]
@@ -127,7 +127,7 @@ def engine_generate_teacher(
     eos_ids: Sequence[int],
     seed: int,
 ) -> list[TeacherSequence]:
-    """Continue each prompt on a workers.engine ModelRunner, as many at once as it has slots.
+    """Continue each prompt on a specd.workers.engine ModelRunner, as many at once as it has slots.
 
     Continuous batching: a finished sequence frees its slot and the next prompt is prefilled into
     it, so the batch stays full until the prompts run out. Sampling uses one generator per prompt
@@ -262,7 +262,7 @@ def run_teacher_cached(
 
 def resolve_target_dir(target_dir: str | None) -> Path:
     """The target as a float32 safetensors HF directory (converted from the GGUF once, then cached)."""
-    from workers.models.loader import ensure_target_model  # lazy: conversion pulls in gguf/transformers
+    from specd.workers.models.loader import ensure_target_model  # lazy: conversion pulls in gguf/transformers
 
     return Path(ensure_target_model(target_dir))
 
@@ -292,8 +292,8 @@ def collect_teacher_data(cfg: Any, teacher: Teacher | None = None, lap=None) -> 
     """The target's continuations of a BootstrapConfig's train and eval prompts (cached chunks reused)."""
     from transformers import AutoModelForCausalLM
 
-    from workers.engine.runner import ModelRunner
-    from workers.models.loader import load_tokenizer
+    from specd.workers.engine.runner import ModelRunner
+    from specd.workers.models.loader import load_tokenizer
 
     target_dir = resolve_target_dir(cfg.target_dir)
     tokenizer = load_tokenizer(target_dir)

@@ -1,11 +1,11 @@
 """Generate the Python code of the specd .proto files with grpcio-tools.
 
-    python -m proto.build            # regenerate proto/specd/v1/*_pb2*.py in place
-    python -m proto.build --out DIR  # write to DIR/specd/v1/ instead (the staleness test uses this)
+    python -m specd.proto.build            # regenerate proto/specd/v1/*_pb2*.py in place
+    python -m specd.proto.build --out DIR  # write to DIR/specd/v1/ instead (the staleness test uses this)
 
 protoc names the generated modules after the proto package (`specd.v1`), so the gRPC stubs would say
 `from specd.v1 import serving_pb2`; inside this repository that package lives under `proto/`, so the
-imports are rewritten to `from proto.specd.v1 import ...`. The generated code is committed: running the
+imports are rewritten to `from specd.proto.specd.v1 import ...`. The generated code is committed: running the
 server needs no grpcio-tools, and tests/proto/test_generated_fresh.py fails when it is stale.
 """
 
@@ -24,7 +24,7 @@ _IMPORT_FROM = re.compile(r"^from specd(\.\S+)? import ", re.MULTILINE)
 
 
 def _fix_imports(text: str) -> str:
-    return _IMPORT_FROM.sub(lambda m: f"from proto.specd{m.group(1) or ''} import ", text)
+    return _IMPORT_FROM.sub(lambda m: f"from specd.proto.specd{m.group(1) or ''} import ", text)
 
 
 def generated_files(out_root: Path) -> list[Path]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from proto.specd.v1.replay_pb2 import ReplayRecord, ReplayStep, TeacherTopK, Tensor
+from specd.proto.specd.v1.replay_pb2 import ReplayRecord, ReplayStep, TeacherTopK, Tensor
 
 REPLAY_FORMAT = 1
 _TORCH_DTYPES = {

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # run as a script from anywhere: import the checkout's configs
 
-from configs import override_value  # noqa: E402
-from configs.schema import SpecdConfig  # noqa: E402
+from specd.configs import override_value  # noqa: E402
+from specd.configs.schema import SpecdConfig  # noqa: E402
 
 SCHEMA = ROOT / "configs" / "schema.py"
 DOC = ROOT / "docs" / "operations.md"

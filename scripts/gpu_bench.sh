@@ -42,7 +42,7 @@ stage() {
     # bfloat16 (the GPU runs it in bfloat16 anyway) and without the embedding it shares with the
     # target: `install_stage` puts the target's back, so the pieces stay small.
     local drafter=${SPECD_GPU_DRAFTER:-}
-    [ -n "$drafter" ] || drafter=$("$PY" -c "from workers.drafters.model import default_drafter_dir as d; print(d(target_hidden=True))")
+    [ -n "$drafter" ] || drafter=$("$PY" -c "from specd.workers.drafters.model import default_drafter_dir as d; print(d(target_hidden=True))")
     rm -rf "$dir/drafter" && cp -r "$drafter" "$dir/drafter"
     "$PY" - "$dir/drafter/model.safetensors" <<'PYEOF'
 import sys
@@ -50,7 +50,7 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.models.loader import ensure_target_model
+from specd.workers.models.loader import ensure_target_model
 
 path = sys.argv[1]
 tensors = load_file(path)
@@ -88,7 +88,7 @@ install_stage() {
     mkdir -p "$drafters"
     tar -C "$drafters" -xf /tmp/stage/drafter.tar
     # The target: de-quantized from the model package's GGUF once (about 30 s).
-    "$PY" -c "from workers.models.loader import ensure_target_model as e; print(e())"
+    "$PY" -c "from specd.workers.models.loader import ensure_target_model as e; print(e())"
     # The drafter's embedding is the target's: put it back where stage took it out.
     "$PY" - "$drafters" <<'PYEOF'
 import sys
@@ -96,7 +96,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from workers.models.loader import ensure_target_model
+from specd.workers.models.loader import ensure_target_model
 
 embed = "model.embed_tokens.weight"
 target = load_file(str(ensure_target_model() / "model.safetensors"))
@@ -132,20 +132,20 @@ run() {
         case $ph in
             # Batch 1: target-only, chain and tree with the default drafter, the default policy, the
             # compiled transformers baseline.
-            b1) phase b1 "$PY" -m cluster.cli bench engine "${common[@]}" --batch-sizes 1 \
+            b1) phase b1 "$PY" -m specd.cluster.cli bench engine "${common[@]}" --batch-sizes 1 \
                     --systems target-only,specd-default,specd-chain,specd-tree,transformers-compiled,vllm \
                     --json "$RESULTS/gpu-engine-b1.json" "${cuda[@]}" ;;
             # Batch 8: every system against target-only in the same run.
-            b8) phase b8 "$PY" -m cluster.cli bench engine "${common[@]}" --batch-sizes 8 \
+            b8) phase b8 "$PY" -m specd.cluster.cli bench engine "${common[@]}" --batch-sizes 8 \
                     --systems target-only,specd-default,specd-chain,specd-tree,specd-hybrid,specd-ngram,transformers-compiled \
                     --json "$RESULTS/gpu-engine-b8.json" "${cuda[@]}" ;;
             # The default against target-only at every batch size of issue 16's grid.
-            grid) phase grid "$PY" -m cluster.cli bench engine --workloads gsm8k,humaneval --temperatures 0,0.7 \
+            grid) phase grid "$PY" -m specd.cluster.cli bench engine --workloads gsm8k,humaneval --temperatures 0,0.7 \
                     --num-prompts 16 --max-new-tokens "$TOKENS" --batch-sizes 1,4,8,16 \
                     --systems target-only,specd-default --json "$RESULTS/gpu-engine-grid.json" "${cuda[@]}" ;;
             # The served path: router, Ray actors, pipelined groups; drafter and target share the one
             # GPU. No redis-server on the GPU machine: online training stays off for this figure.
-            serve) phase serve "$PY" -m cluster.cli bench serve --quick --json "$RESULTS/gpu-serve.json" \
+            serve) phase serve "$PY" -m specd.cluster.cli bench serve --quick --json "$RESULTS/gpu-serve.json" \
                     "${cuda[@]}" replay.enabled=false trainer.enabled=false ;;
             *) echo "unknown phase $ph" ;;
         esac

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # run as a script from anywhere: import the checkout's bench
 
-from bench.report import cell_key, markdown_table  # noqa: E402
+from specd.bench.report import cell_key, markdown_table  # noqa: E402
 
 MARKER = re.compile(r"<!-- table:(?P<spec>[^>]*?) -->\n(?P<body>.*?)<!-- /table -->", re.S)
 

@@ -62,7 +62,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def target_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory (de-quantized on first use, then cached)."""
-    from workers.models.loader import ensure_target_model
+    from specd.workers.models.loader import ensure_target_model
 
     try:
         return ensure_target_model()
@@ -73,7 +73,7 @@ def target_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def real_target_dir() -> Path:
     """The converted SmolLM2-135M-Instruct (de-quantized once, then cached on disk)."""
-    from workers.models.loader import ensure_target_model
+    from specd.workers.models.loader import ensure_target_model
 
     return ensure_target_model()
 
@@ -81,8 +81,8 @@ def real_target_dir() -> Path:
 @pytest.fixture(scope="session")
 def boot_drafter_dir(real_target_dir) -> Path:
     """The bootstrapped default drafter if it exists; else a quick one made once for the tests."""
-    from drafter_trainer.bootstrap import bootstrap_drafter, cache_root
-    from workers.drafters.model import default_drafter_dir
+    from specd.drafter_trainer.bootstrap import bootstrap_drafter, cache_root
+    from specd.workers.drafters.model import default_drafter_dir
 
     if (default_drafter_dir() / "specd_drafter.json").exists():
         return default_drafter_dir()
@@ -95,8 +95,8 @@ def boot_drafter_dir(real_target_dir) -> Path:
 def _quick_tests_config(target_dir, out_dir):
     """The quick preset on the benchmark domains (SOURCES), not its general chat turns: the engine tests
     draft GSM8K and HumanEval prompts and need a drafter that accepts some of them."""
-    from drafter_trainer.bootstrap import BootstrapConfig
-    from workers.prompts import SOURCES
+    from specd.drafter_trainer.bootstrap import BootstrapConfig
+    from specd.workers.prompts import SOURCES
 
     return BootstrapConfig.quick(target_dir=str(target_dir), out_dir=str(out_dir), sources=SOURCES)
 
@@ -104,9 +104,9 @@ def _quick_tests_config(target_dir, out_dir):
 @pytest.fixture(scope="session")
 def boot_hidden_drafter_dir(real_target_dir, boot_drafter_dir) -> Path:
     """The bootstrapped drafter that reads target hidden states (the default); else a quick one."""
-    from drafter_trainer.bootstrap import BootstrapConfig
-    from drafter_trainer.hidden_stage import bootstrap_hidden_drafter
-    from workers.drafters.model import default_drafter_dir
+    from specd.drafter_trainer.bootstrap import BootstrapConfig
+    from specd.drafter_trainer.hidden_stage import bootstrap_hidden_drafter
+    from specd.workers.drafters.model import default_drafter_dir
 
     if (default_drafter_dir(target_hidden=True) / "specd_drafter.json").exists():
         return default_drafter_dir(target_hidden=True)

@@ -4,6 +4,8 @@ nor drafter_trainer/; the algorithm core (workers/core) imports no Ray, gRPC or 
 from __future__ import annotations
 
 import ast
+import importlib
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -17,15 +19,21 @@ RULES = {
 }
 
 
-def imported_top_levels(path: Path) -> set[str]:
-    """Top-level names of every absolute import in a file, wherever in the file it appears."""
+def imported_modules(path: Path) -> set[str]:
+    """Every absolutely imported module of a file, wherever in the file the import appears."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
+
+
+def imported_top_levels(path: Path) -> set[str]:
+    """The package each import names: specd's own by their folder (specd.workers.x -> workers)."""
+    parts = [m.split(".") for m in imported_modules(path)]
+    return {p[1] if p[0] == "specd" and len(p) > 1 else p[0] for p in parts}
 
 
 @pytest.mark.parametrize("package", sorted(RULES))
@@ -40,9 +48,28 @@ def test_imports_point_one_way(package):
     assert not wrong, f"{package}/ may not import {RULES[package]}: {wrong}"
 
 
-@pytest.mark.parametrize("package", ["workers", "cluster", "drafter_trainer", "bench", "proto", "configs"])
+PACKAGES = ["workers", "cluster", "drafter_trainer", "bench", "proto", "configs"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
 def test_tests_import_the_real_packages(package):
-    # tests/<package> directories have no __init__.py: they must never stand in for the package itself
-    # (pytest's pythonpath puts the repository first, and a regular package wins over a namespace dir).
-    module = __import__(package)
+    # specd.<folder> is the repository's folder (the editable install maps it there), never a tests/ dir
+    module = importlib.import_module(f"specd.{package}")
     assert module.__file__ == str(REPO / package / "__init__.py")
+
+
+def test_nothing_imports_the_folders_by_their_bare_names():
+    # installed, the folders exist only as specd.<folder>: PyPI distributions own the bare names
+    files = [f for top in [*PACKAGES, "tests", "scripts"] for f in sorted((REPO / top).rglob("*.py"))]
+    bare = {str(f.relative_to(REPO)): sorted(m for m in imported_modules(f) if m.split(".")[0] in PACKAGES)
+            for f in files}
+    assert not {f: m for f, m in bare.items() if m}
+
+
+def test_pyproject_installs_every_package_under_specd():
+    with open(REPO / "pyproject.toml", "rb") as f:
+        setuptools = tomllib.load(f)["tool"]["setuptools"]
+    found = sorted("specd." + ".".join(init.parent.relative_to(REPO).parts)
+                   for top in PACKAGES for init in (REPO / top).rglob("__init__.py"))
+    assert sorted(setuptools["packages"]) == found
+    assert setuptools["package-dir"] == {f"specd.{top}": top for top in PACKAGES}

@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from workers.models.chat import ChatCodec
+from specd.workers.models.chat import ChatCodec
 
 SOURCES = ("gsm8k", "humaneval")
 # General-purpose chat turns written for specd (data/general_prompts.jsonl): what a drafter made before

@@ -1,7 +1,7 @@
 """Benchmark prompts: the eval split only, never a prompt a drafter trains on."""
 
-from bench import datasets
-from drafter_trainer.data import train_prompts
+from specd.bench import datasets
+from specd.drafter_trainer.data import train_prompts
 
 
 class Tok:

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from bench.child import Events, groups
-from bench.cli import add_cli as add_bench_cli
-from bench.engine import (
+from specd.bench.child import Events, groups
+from specd.bench.cli import add_cli as add_bench_cli
+from specd.bench.engine import (
     FULL,
     QUICK,
     add_arguments,
@@ -19,8 +19,8 @@ from bench.engine import (
     resolve_plan,
     run_bench,
 )
-from bench.serve import run_bench as run_serve_bench
-from bench.systems import SYSTEMS, device_info, specd_overrides
+from specd.bench.serve import run_bench as run_serve_bench
+from specd.bench.systems import SYSTEMS, device_info, specd_overrides
 
 
 def parse(argv):
@@ -168,7 +168,7 @@ def test_continuous_lockstep_runs_one_queue_paired_by_windows(tmp_path):
 @pytest.mark.slow
 def test_mixed_lengths_give_each_request_its_own_length_in_every_system(tmp_path):
     """--lengths mixed: request i generates its seeded length, the same in target-only and specd."""
-    from bench.datasets import request_lengths
+    from specd.bench.datasets import request_lengths
 
     out = tmp_path / "bench.json"
     code = main(["--systems", "target-only,specd-ngram", "--workloads", "gsm8k", "--batch-sizes", "2",
@@ -205,8 +205,8 @@ def test_goodput_and_suffix_systems_select_their_policy_and_drafter():
 
 
 def test_repetition_workload_follows_each_prompt_with_its_edited_copy(target_model_dir):
-    from bench.repetition import EDITED, repetition_prompts
-    from workers.models.loader import load_tokenizer
+    from specd.bench.repetition import EDITED, repetition_prompts
+    from specd.workers.models.loader import load_tokenizer
 
     rows = repetition_prompts(4, load_tokenizer(target_model_dir))
     assert [i >= EDITED for i, _ in rows] == [False, True, False, True]
@@ -244,7 +244,7 @@ class _FakeBatch:
 
 
 def test_steady_span_ends_when_a_queue_runs_dry_and_its_batch_drops():
-    from bench.steady import Span, drive
+    from specd.bench.steady import Span, drive
 
     span = Span(2)
     fast, slow = _FakeBatch(4, 2, 2), _FakeBatch(4, 2, 3)

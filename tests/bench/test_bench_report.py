@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.report import (
+from specd.bench.report import (
     add_ratios,
     make_row,
     merge_rounds,

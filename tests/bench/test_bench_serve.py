@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve import (
+from specd.bench.serve import (
     derived_figures,
     merge_rounds,
     percentiles,

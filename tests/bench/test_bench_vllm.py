@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.vllm_runner import speculation_counts
+from specd.bench.vllm_runner import speculation_counts
 
 
 def test_speculation_counts_include_steps_without_drafts():

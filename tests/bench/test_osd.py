@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.osd import (
+from specd.bench.osd import (
     DOMAINS,
     bootstrap_prompts,
     heldout_overrides,
@@ -52,7 +52,7 @@ def _store(tmp_path, published: dict[str, float], current: str):
     import datetime as dt
     import json
 
-    from workers.drafters.versions import META_FILE, VERSIONS_DIR, write_current
+    from specd.workers.drafters.versions import META_FILE, VERSIONS_DIR, write_current
 
     for version, t in published.items():
         vdir = tmp_path / VERSIONS_DIR / version
@@ -78,7 +78,7 @@ def test_the_version_serving_at_a_domains_end_is_the_newest_published_before_it(
 def test_published_events_mark_when_each_trained_version_served(tmp_path) -> None:
     import json
 
-    from workers.drafters.versions import META_FILE, VERSIONS_DIR
+    from specd.workers.drafters.versions import META_FILE, VERSIONS_DIR
 
     rows = [{"index": i, "domain": "gsm8k", "versions": [], "done_at": 1000.0 + 10 * i} for i in range(6)]
     store = _store(tmp_path, {"boot": 900.0, "v2": 1012.0, "v3": 1200.0}, current="v2")
@@ -129,7 +129,7 @@ def test_the_reference_is_the_offline_drafter_when_built_and_not_the_start(tmp_p
 
 
 def test_the_heldout_evaluation_runs_without_the_speculation_guard() -> None:
-    from configs import load_config
+    from specd.configs import load_config
 
     cfg = load_config(heldout_overrides(["spec.guard_window_steps=16", "spec.policy=fixed"]))
     assert cfg.spec.guard_window_steps == 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 
-from bench.soak import growth, process_label, sample_rss, windows, write_plot
+from specd.bench.soak import growth, process_label, sample_rss, windows, write_plot
 
 
 def test_processes_of_the_server_tree_get_stable_labels() -> None:
     assert process_label(["ray::TargetWorker.verify"], "ray::TargetWorker.verify") == "ray::TargetWorker"
-    assert process_label(["python", "-m", "cluster.serve", "x=1"], "python") == "router"
+    assert process_label(["python", "-m", "specd.cluster.serve", "x=1"], "python") == "router"
     assert process_label(["/usr/bin/redis-server", "127.0.0.1:1234"], "redis-server") == "redis-server"
     assert process_label(["/bin/sh"], "sh") == "other"
 

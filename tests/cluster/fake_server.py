@@ -1,6 +1,6 @@
 """A router process with fake workers, for the signal tests: `python tests/cluster/fake_server.py GRACE`.
 
-It wires the real pieces `specd serve` uses for shutdown (cluster.serve.SignalStop, GrpcServer.stop with
+It wires the real pieces `specd serve` uses for shutdown (specd.cluster.serve.SignalStop, GrpcServer.stop with
 the grace period, then the scheduler) around the fake workers, and prints its two addresses (the API and
 the plaintext health port) once SERVING. Slow fake steps keep requests in flight while a signal lands.
 """
@@ -12,10 +12,10 @@ import sys
 
 from fake_workers import EOS, FakeDrafter, FakeTarget
 
-from cluster.router import Backend, GrpcServer, SpecdServicer
-from cluster.scheduler import Scheduler
-from cluster.serve import SignalStop
-from cluster.validation import Bounds
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+from specd.cluster.scheduler import Scheduler
+from specd.cluster.serve import SignalStop
+from specd.cluster.validation import Bounds
 
 BOUNDS = Bounds(vocab_size=100, max_seq_len=64, max_new_tokens_default=8, max_new_tokens_cap=60)
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
+from specd.workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
 
 VOCAB = 100
 EOS = 99
@@ -246,7 +246,7 @@ class FakeDrafter:
 
 
 class RayFakeTarget(FakeTarget):
-    """Constructed like TargetWorker(cfg, seed, cache_dir) by cluster.actors.create_cluster."""
+    """Constructed like TargetWorker(cfg, seed, cache_dir) by specd.cluster.actors.create_cluster."""
 
     def __init__(self, *_args):
         super().__init__(max_slots=4)

@@ -8,11 +8,11 @@ import fake_workers
 import pytest
 from fake_workers import EOS, target_only
 
-from cluster import actors
-from cluster.scheduler import Scheduler
-from configs.schema import SpecdConfig
-from workers.core.sampling import SamplingParams
-from workers.engine.types import FinishReason, NewRequest, SpecParams
+from specd.cluster import actors
+from specd.cluster.scheduler import Scheduler
+from specd.configs.schema import SpecdConfig
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.types import FinishReason, NewRequest, SpecParams
 
 
 def config(**target) -> SpecdConfig:
@@ -104,8 +104,8 @@ def test_scheduler_over_ray_actor_handles(ray_session) -> None:
 
 
 def test_serve_refuses_a_backend_it_cannot_drive():
-    from cluster.serve import serve
-    from configs import load_config
+    from specd.cluster.serve import serve
+    from specd.configs import load_config
 
     with pytest.raises(ValueError, match="target.backend=torch only"):
         serve(load_config(["target.backend=vllm"]))

@@ -10,14 +10,14 @@ from fake_workers import EOS, FakeDrafter, FakeTarget
 from prometheus_client import CollectorRegistry
 from test_router import BOUNDS, LoopThread, ToyCodec
 
-from cluster.admin import LIVE_KEYS, plan_update
-from cluster.auth import ServerSecurity
-from cluster.client import Security, SpecdClient
-from cluster.metrics import SpecdMetrics
-from cluster.router import Backend, GrpcServer, SpecdServicer
-from cluster.scheduler import Scheduler
-from configs import ConfigError, flatten, load_config
-from configs.schema import ServerConfig
+from specd.cluster.admin import LIVE_KEYS, plan_update
+from specd.cluster.auth import ServerSecurity
+from specd.cluster.client import Security, SpecdClient
+from specd.cluster.metrics import SpecdMetrics
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+from specd.cluster.scheduler import Scheduler
+from specd.configs import ConfigError, flatten, load_config
+from specd.configs.schema import ServerConfig
 
 TOKEN, ADMIN = "user-token", "admin-token"
 
@@ -115,7 +115,7 @@ def test_bad_changes_are_refused_and_change_nothing(server, overrides, message) 
 
 
 def test_specd_admin_cli(server, monkeypatch, capsys) -> None:
-    from cluster.cli import main
+    from specd.cluster.cli import main
 
     monkeypatch.setenv("SPECD_ADMIN_TOKEN", ADMIN)
     assert main(["admin", "set", "spec.gamma=4", "--address", server["address"]]) == 0
@@ -148,7 +148,7 @@ SECRET = "hunter2-redis-secret"
                                       "spec.policy=${oc.decode:'fixed'}"])
 def test_interpolation_is_refused_through_specd_admin_set(server, monkeypatch, capsys, override) -> None:
     """`specd admin set` with a resolver: INVALID_ARGUMENT, the server's variable never read back."""
-    from cluster.cli import main
+    from specd.cluster.cli import main
 
     monkeypatch.setenv("SPECD_REDIS_PASSWORD", SECRET)
     monkeypatch.setenv("SPECD_ADMIN_TOKEN", ADMIN)
@@ -181,7 +181,7 @@ def test_running_values_with_special_characters_replay_and_are_masked(server, mo
 
 
 def test_plan_update_round_trips_awkward_strings() -> None:
-    from cluster.admin import quote_string
+    from specd.cluster.admin import quote_string
 
     values = ["rediss://u:p@h:1/0?a=1,2", "a b,c=d", "it's \"q\"", "back\\slash\\", "x${oc.env:HOME}",
               "two\\${x}", "end\\'", "{not: a dict}", "[1, 2]", "null text", ""]

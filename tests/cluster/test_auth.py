@@ -18,11 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from test_router import BOUNDS, LoopThread, ToyCodec
 
-from cluster.auth import BearerAuthInterceptor, ServerSecurity, read_tokens
-from cluster.client import Security, SpecdClient
-from cluster.router import Backend, GrpcServer, SpecdServicer
-from cluster.scheduler import Scheduler
-from configs.schema import ServerConfig
+from specd.cluster.auth import BearerAuthInterceptor, ServerSecurity, read_tokens
+from specd.cluster.client import Security, SpecdClient
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+from specd.cluster.scheduler import Scheduler
+from specd.configs.schema import ServerConfig
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -204,7 +204,7 @@ def test_tokens_from_file_and_env_and_bad_settings(tmp_path, monkeypatch) -> Non
 
 
 def test_specd_generate_takes_tls_and_token_options(secured, monkeypatch, tmp_path, capsys) -> None:
-    from cluster.cli import main
+    from specd.cluster.cli import main
 
     base = ["generate", "hi", "--raw", "--address", secured.address, "--ca-file", secured.cert,
             "--max-new-tokens", "3"]
@@ -222,7 +222,7 @@ def test_specd_generate_takes_tls_and_token_options(secured, monkeypatch, tmp_pa
 
 def test_open_non_loopback_bind_refused_at_start(capsys) -> None:
     """`specd serve server.host=0.0.0.0` without a token stops at config validation, naming the keys."""
-    from cluster.cli import main
+    from specd.cluster.cli import main
 
     assert main(["serve", "server.host=0.0.0.0", "ray.address=none-needed"]) == 2
     err = capsys.readouterr().err
@@ -239,11 +239,11 @@ def test_open_non_loopback_bind_refused_at_start(capsys) -> None:
 def test_insecure_on_purpose_is_logged_and_exported(caplog) -> None:
     from prometheus_client import CollectorRegistry
 
-    from cluster.metrics import SpecdMetrics
-    from configs import load_config
+    from specd.cluster.metrics import SpecdMetrics
+    from specd.configs import load_config
 
     cfg = load_config(["server.host=0.0.0.0", "server.insecure=true"])
-    with caplog.at_level("WARNING", logger="cluster.auth"):
+    with caplog.at_level("WARNING", logger="specd.cluster.auth"):
         security = ServerSecurity.from_config(cfg.server)
     assert security.insecure
     assert any("server.insecure=true" in r.getMessage() and "anyone who reaches the port" in r.getMessage()
@@ -263,13 +263,13 @@ def stop_all(lt: LoopThread, stack: list) -> None:
 def test_off_loopback_admin_needs_its_own_token(tmp_path, monkeypatch, capsys, caplog) -> None:
     """On 0.0.0.0 a user token never authorizes SetConfig; without an admin token there is no admin
     service at all (said at start); with one, only it works."""
-    from cluster.cli import main
+    from specd.cluster.cli import main
 
     (tmp_path / "user").write_text(TOKEN)
     (tmp_path / "admin").write_text("admin-secret")
     lt, stack = LoopThread(), []
     try:
-        with caplog.at_level("WARNING", logger="cluster.auth"):
+        with caplog.at_level("WARNING", logger="specd.cluster.auth"):
             srv = start(lt, ServerConfig(host="0.0.0.0", auth_token_file=str(tmp_path / "user")), stack)
         said = [r.getMessage() for r in caplog.records]
         assert any("admin service" in m and "not served" in m for m in said), said
@@ -316,7 +316,7 @@ def test_token_file_is_re_read_on_change(tmp_path, caplog) -> None:
         token_file.write_text("second-token\n")          # rotated: no restart
         assert code("second-token") == grpc.StatusCode.OK
         assert code("first-token") == grpc.StatusCode.UNAUTHENTICATED
-        with caplog.at_level("WARNING", logger="cluster.auth"):
+        with caplog.at_level("WARNING", logger="specd.cluster.auth"):
             token_file.write_text("\n")                  # a half-written rotation keeps the last tokens
             assert code("second-token") == grpc.StatusCode.OK
         assert any("keeping the last tokens" in r.getMessage() for r in caplog.records)

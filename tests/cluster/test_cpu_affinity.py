@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import cpu_affinity
+from specd.cluster import cpu_affinity
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity calls here")
 
@@ -37,11 +37,11 @@ def test_without_the_variable_the_hook_changes_nothing(monkeypatch) -> None:
 
 
 def test_a_local_cluster_passes_the_drivers_cpus_to_its_workers() -> None:
-    from cluster.actors import ray_init_kwargs
-    from configs import load_config
+    from specd.cluster.actors import ray_init_kwargs
+    from specd.configs import load_config
 
     env = ray_init_kwargs(load_config([]))["runtime_env"]
-    assert env["worker_process_setup_hook"] == "cluster.cpu_affinity.apply"
+    assert env["worker_process_setup_hook"] == "specd.cluster.cpu_affinity.apply"
     assert env["env_vars"][cpu_affinity.ENV] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
 
@@ -49,8 +49,8 @@ _IOMP = Path(sys.prefix) / "lib" / "libiomp5.so"
 
 _PROBE = """
 import os, torch, ray
-from cluster.actors import ray_init_kwargs
-from configs import load_config
+from specd.cluster.actors import ray_init_kwargs
+from specd.configs import load_config
 torch.set_num_threads(2)
 torch.randn(256, 256) @ torch.randn(256, 256)      # the driver's OpenMP runtime starts before ray.init
 kwargs = ray_init_kwargs(load_config([]))

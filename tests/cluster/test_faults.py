@@ -11,11 +11,11 @@ import time
 import fake_workers
 from fake_workers import EOS, target_only
 
-from cluster import actors
-from cluster.scheduler import Scheduler
-from configs.schema import SpecdConfig
-from workers.core.sampling import SamplingParams
-from workers.engine.types import FinishReason, NewRequest, SpecParams
+from specd.cluster import actors
+from specd.cluster.scheduler import Scheduler
+from specd.configs.schema import SpecdConfig
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.types import FinishReason, NewRequest, SpecParams
 
 
 def _request(rid: str, first: int, n: int) -> NewRequest:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
-import drafter_trainer.bootstrap as bootstrap
-from cluster.first_start import ensure_serving_drafter, quick_drafter_dirs, trained_sources
-from configs import load_config
-from workers.prompts import GENERAL_SOURCES
+import specd.drafter_trainer.bootstrap as bootstrap
+from specd.cluster.first_start import ensure_serving_drafter, quick_drafter_dirs, trained_sources
+from specd.configs import load_config
+from specd.workers.prompts import GENERAL_SOURCES
 
 
 def _mark(path, sources=None) -> None:

@@ -4,7 +4,7 @@ can carry is reachable: seeds at the uint64 bounds, int32 extremes, NaN and infi
 prompts at the context limit, overlapping stop strings, cancels after a random number of chunks).
 
 Properties, for every example:
-- the status is OK, INVALID_ARGUMENT (exactly when cluster.validation refuses the request) or
+- the status is OK, INVALID_ARGUMENT (exactly when specd.cluster.validation refuses the request) or
   RESOURCE_EXHAUSTED; never INTERNAL, UNKNOWN or a dropped connection;
 - an OK answer is the target-only output of the prompt, cut at the first stop string;
 - a well-formed request from another client running at the same time is answered correctly;
@@ -27,11 +27,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_router import BOUNDS, LoopThread, ToyCodec
 
-from cluster.client import SpecdClient, build_request
-from cluster.router import Backend, GrpcServer, SpecdServicer, TextStream, first_stop
-from cluster.scheduler import Scheduler
-from cluster.validation import InvalidRequest, validate_request
-from proto.specd.v1 import serving_pb2
+from specd.cluster.client import SpecdClient, build_request
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer, TextStream, first_stop
+from specd.cluster.scheduler import Scheduler
+from specd.cluster.validation import InvalidRequest, validate_request
+from specd.proto.specd.v1 import serving_pb2
 
 EXAMPLES = int(os.environ.get("SPECD_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize="SPECD_FUZZ_EXAMPLES" not in os.environ,

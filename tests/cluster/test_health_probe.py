@@ -10,11 +10,11 @@ import pytest
 from fake_workers import EOS, FakeDrafter, FakeTarget
 from test_router import BOUNDS, LoopThread, ToyCodec
 
-from cluster.client import SpecdClient
-from cluster.health_probe import HealthProber
-from cluster.router import Backend, GrpcServer, SpecdServicer
-from cluster.scheduler import Scheduler
-from workers.engine.types import SpecParams
+from specd.cluster.client import SpecdClient
+from specd.cluster.health_probe import HealthProber
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+from specd.cluster.scheduler import Scheduler
+from specd.workers.engine.types import SpecParams
 
 PERIOD_S = 0.1
 

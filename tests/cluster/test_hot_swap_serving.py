@@ -9,16 +9,16 @@ import asyncio
 import pytest
 import torch
 
-from cluster.scheduler import FinishEvent, Scheduler, TokensEvent
-from configs import load_config
-from drafter_trainer.drafter_format import load_drafter
-from drafter_trainer.publish import VersionStore
+from specd.cluster.scheduler import FinishEvent, Scheduler, TokensEvent
+from specd.configs import load_config
+from specd.drafter_trainer.drafter_format import load_drafter
+from specd.drafter_trainer.publish import VersionStore
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.versions import target_checksum
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 from tests.drafter_trainer.online_helpers import make_tiny_drafter
-from workers.core.sampling import SamplingParams
-from workers.drafters.versions import target_checksum
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 30, 31], [40, 41], [3, 4, 5, 6, 3, 4], [90, 12], [100, 101, 102]]
 N_TOKENS = 40

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from cluster.metrics import SpecdMetrics
-from cluster.scheduler import ServedStats
-from workers.core.stats import RequestStats
-from workers.engine.types import Draft, VerifyResult
+from specd.cluster.metrics import SpecdMetrics
+from specd.cluster.scheduler import ServedStats
+from specd.workers.core.stats import RequestStats
+from specd.workers.engine.types import Draft, VerifyResult
 
 
 def value(m: SpecdMetrics, name: str, labels: dict | None = None) -> float | None:

@@ -14,9 +14,9 @@ import pytest
 from fake_workers import EOS, FakeDrafter, FakeTarget
 from test_router import BOUNDS, LoopThread, ToyCodec
 
-from cluster.client import SpecdClient
-from cluster.router import Backend, GrpcServer, SpecdServicer
-from cluster.scheduler import Scheduler
+from specd.cluster.client import SpecdClient
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+from specd.cluster.scheduler import Scheduler
 
 SLOW_S = 3.0
 

@@ -12,8 +12,8 @@ import psutil
 import pytest
 import redis
 
-from cluster.redis_server import ManagedRedis, endpoint_from_config, open_redis
-from configs.schema import ReplayConfig
+from specd.cluster.redis_server import ManagedRedis, endpoint_from_config, open_redis
+from specd.configs.schema import ReplayConfig
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 
@@ -74,7 +74,7 @@ def test_configured_url_takes_its_password_from_the_environment(monkeypatch) -> 
 
 
 def test_an_operator_may_still_ask_for_tcp_on_loopback() -> None:
-    from cluster.redis_server import free_port
+    from specd.cluster.redis_server import free_port
 
     with ManagedRedis(port=free_port()) as server:
         assert server.endpoint.url == f"redis://127.0.0.1:{server.port}/0" and server.socket_path is None

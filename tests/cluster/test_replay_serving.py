@@ -11,17 +11,17 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cluster.redis_server import ManagedRedis
-from cluster.replay import ObserverFanout, ReplayRecorder
-from cluster.replay_writer import RECORD_FIELD, ReplayWriter
-from cluster.scheduler import FinishEvent, Scheduler, SchedulerObserver, TokensEvent
-from configs import load_config
-from proto.replay_codec import decode_record
+from specd.cluster.redis_server import ManagedRedis
+from specd.cluster.replay import ObserverFanout, ReplayRecorder
+from specd.cluster.replay_writer import RECORD_FIELD, ReplayWriter
+from specd.cluster.scheduler import FinishEvent, Scheduler, SchedulerObserver, TokensEvent
+from specd.configs import load_config
+from specd.proto.replay_codec import decode_record
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 from tests.drafter_trainer.online_helpers import make_tiny_drafter
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 30, 31], [40, 41], [3, 4, 5, 6, 3, 4]]
 

@@ -9,9 +9,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cluster.redis_server import ManagedRedis
-from cluster.replay_writer import RECORD_FIELD, ReplayWriter
-from proto.replay_codec import RecordBuilder, decode_record
+from specd.cluster.redis_server import ManagedRedis
+from specd.cluster.replay_writer import RECORD_FIELD, ReplayWriter
+from specd.proto.replay_codec import RecordBuilder, decode_record
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 

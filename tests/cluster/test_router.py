@@ -13,11 +13,11 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from cluster.client import SpecdClient, build_request
-from cluster.router import Backend, GrpcServer, SpecdServicer
-from cluster.scheduler import Scheduler
-from cluster.validation import Bounds
-from proto.specd.v1 import serving_pb2_grpc
+from specd.cluster.client import SpecdClient, build_request
+from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+from specd.cluster.scheduler import Scheduler
+from specd.cluster.validation import Bounds
+from specd.proto.specd.v1 import serving_pb2_grpc
 
 
 class ToyCodec:

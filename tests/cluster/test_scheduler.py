@@ -8,14 +8,14 @@ import asyncio
 import pytest
 from fake_workers import EOS, Tracker, target_only
 
-from cluster.scheduler import (
+from specd.cluster.scheduler import (
     FinishEvent,
     QueueFull,
     Scheduler,
     TokensEvent,
 )
-from workers.core.sampling import SamplingParams
-from workers.engine.types import FinishReason, NewRequest, SpecParams
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.types import FinishReason, NewRequest, SpecParams
 
 
 def request(rid: str, prompt: list[int], n: int, spec: bool = True, gamma: int = 4,

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.metrics import SpecdMetrics
-from cluster.scheduler import Scheduler
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from specd.cluster.metrics import SpecdMetrics
+from specd.cluster.scheduler import Scheduler
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 30, 31], [40, 41], [3, 4, 5, 3, 4, 5]]
 

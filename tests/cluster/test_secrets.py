@@ -13,11 +13,11 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from cluster.metrics import SpecdMetrics
-from cluster.online import start_online
-from cluster.redact import redact_config, redact_text
-from cluster.validation import Bounds
-from configs import load_config
+from specd.cluster.metrics import SpecdMetrics
+from specd.cluster.online import start_online
+from specd.cluster.redact import redact_config, redact_text
+from specd.cluster.validation import Bounds
+from specd.configs import load_config
 
 PASSWORD = "pa55-word-that-must-not-leak"
 
@@ -88,7 +88,7 @@ def test_redact_text(text, shown) -> None:
 def test_log_redaction_filter_masks_messages_and_tracebacks() -> None:
     import io
 
-    from cluster.redact import install_log_redaction
+    from specd.cluster.redact import install_log_redaction
 
     stream = io.StringIO()
     logger = logging.getLogger("specd-test-redaction")

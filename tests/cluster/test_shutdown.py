@@ -17,7 +17,7 @@ import grpc
 import pytest
 from fake_workers import target_only
 
-from cluster.client import SpecdClient
+from specd.cluster.client import SpecdClient
 
 ROOT = Path(__file__).resolve().parents[2]
 

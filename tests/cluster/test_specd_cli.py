@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from cluster.cli import COMMAND_GROUP, build_parser, command_registrars
+from specd.cluster.cli import COMMAND_GROUP, build_parser, command_registrars
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.client import build_request
-from cluster.validation import Bounds, InvalidRequest, validate_request
-from configs.schema import SpecdConfig
-from proto.specd.v1 import serving_pb2
+from specd.cluster.client import build_request
+from specd.cluster.validation import Bounds, InvalidRequest, validate_request
+from specd.configs.schema import SpecdConfig
+from specd.proto.specd.v1 import serving_pb2
 
 
 class ToyCodec:

@@ -9,9 +9,9 @@ from dataclasses import asdict
 
 import pytest
 
-from configs import ConfigError, flatten, load_config
-from configs.groups import GROUPS
-from configs.schema import DrafterKind, GammaPolicyName
+from specd.configs import ConfigError, flatten, load_config
+from specd.configs.groups import GROUPS
+from specd.configs.schema import DrafterKind, GammaPolicyName
 
 
 def test_defaults_equal_the_default_group_options() -> None:
@@ -134,7 +134,7 @@ def test_config_dir_and_name_with_a_yaml_of_ones_own(tmp_path) -> None:
 
 
 def test_specd_serve_arguments_reach_the_config(tmp_path, capsys) -> None:
-    from cluster.serve import _cmd_serve, add_config_options, config_from_args
+    from specd.cluster.serve import _cmd_serve, add_config_options, config_from_args
 
     parser = argparse.ArgumentParser()
     add_config_options(parser)
@@ -152,11 +152,11 @@ def test_enums_agree_with_the_registries() -> None:
     import importlib
     import pkgutil
 
-    import workers.drafters
-    from workers.core.gamma import GAMMA_POLICIES
-    from workers.drafters.registry import DRAFTERS
+    import specd.workers.drafters
+    from specd.workers.core.gamma import GAMMA_POLICIES
+    from specd.workers.drafters.registry import DRAFTERS
 
     assert set(GammaPolicyName) == set(GAMMA_POLICIES)
-    for module in pkgutil.iter_modules(workers.drafters.__path__):
-        importlib.import_module(f"workers.drafters.{module.name}")
+    for module in pkgutil.iter_modules(specd.workers.drafters.__path__):
+        importlib.import_module(f"specd.workers.drafters.{module.name}")
     assert set(DrafterKind) == set(DRAFTERS)

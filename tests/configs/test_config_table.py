@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from configs import flatten, load_config
+from specd.configs import flatten, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

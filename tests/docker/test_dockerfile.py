@@ -48,8 +48,8 @@ def test_runs_as_a_non_root_user(parsed) -> None:
 
 
 def test_cmd_runs_a_specd_subcommand_with_valid_overrides(parsed) -> None:
-    from cluster.cli import build_parser
-    from configs import load_config
+    from specd.cluster.cli import build_parser
+    from specd.configs import load_config
 
     cmd = json.loads(parsed.cmd)            # exec form: no shell between the signal and the server
     assert cmd[0] == "specd"

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from drafter_trainer.distill import DrafterLM
-from drafter_trainer.drafter_format import make_drafter_config, save_drafter
-from drafter_trainer.hidden_stage import HiddenDrafterLM
-from proto.replay_codec import RecordBuilder
+from specd.drafter_trainer.distill import DrafterLM
+from specd.drafter_trainer.drafter_format import make_drafter_config, save_drafter
+from specd.drafter_trainer.hidden_stage import HiddenDrafterLM
+from specd.proto.replay_codec import RecordBuilder
 
 
 def make_tiny_drafter(target_dir: Path, out_dir: Path, hidden: bool = False, seed: int = 0) -> Path:
@@ -38,7 +38,7 @@ def make_tiny_drafter(target_dir: Path, out_dir: Path, hidden: bool = False, see
 
 def greedy_continuations(target_dir: Path, n: int, prompt_len: int = 6, new_tokens: int = 24, seed: int = 0):
     """[(prompt, output)] of the tiny target's greedy decoding from random prompts."""
-    from workers.engine.runner import ModelRunner
+    from specd.workers.engine.runner import ModelRunner
 
     runner = ModelRunner(target_dir, max_slots=1, max_seq_len=128)
     vocab = runner.vocab_size

@@ -11,15 +11,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.redis_server import ManagedRedis
-from drafter_trainer import checkpoint
-from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import TargetTeacher, is_held_out
-from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
-from proto.replay_codec import encode_record
+from specd.cluster.redis_server import ManagedRedis
+from specd.drafter_trainer import checkpoint
+from specd.drafter_trainer.online import OnlineTrainer
+from specd.drafter_trainer.online_data import TargetTeacher, is_held_out
+from specd.drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
+from specd.proto.replay_codec import encode_record
+from specd.workers.drafters.versions import target_checksum
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
 from tests.drafter_trainer.test_online import CFG
-from workers.drafters.versions import target_checksum
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 NO_PUBLISH = replace(CFG, gate_margin=1.0, update_every_s=1000.0)   # updates are made by hand here
@@ -114,7 +114,7 @@ def test_records_are_acknowledged_only_once_their_update_is_durable(tmp_path, ti
     def disk_full(*a, **kw):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("drafter_trainer.online.save_state", disk_full)
+    monkeypatch.setattr("specd.drafter_trainer.online.save_state", disk_full)
     trainer.update()                                   # gate rejects (margin 1.0), checkpoint fails
     assert trainer.stats.checkpoint_failures == 1 and trainer.source.pending() == len(trained)
     monkeypatch.undo()

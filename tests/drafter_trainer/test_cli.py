@@ -2,8 +2,8 @@
 
 import pytest
 
-from cluster.cli import build_parser
-from drafter_trainer.bootstrap import BootstrapConfig, config_from_options
+from specd.cluster.cli import build_parser
+from specd.drafter_trainer.bootstrap import BootstrapConfig, config_from_options
 
 
 def test_options_reach_the_bootstrap_config():

@@ -1,7 +1,7 @@
 """The prompts a drafter learns from: the train split only, held-out prompts apart, templated once."""
 
-from drafter_trainer import data
-from workers import prompts
+from specd.drafter_trainer import data
+from specd.workers import prompts
 
 
 def test_train_prompts_are_the_train_split_in_the_shared_mix():

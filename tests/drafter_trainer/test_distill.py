@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_configs import TARGET_CONFIG
 
-from drafter_trainer.distill import (
+from specd.drafter_trainer.distill import (
     DrafterLM,
     TeacherSequence,
     collate,

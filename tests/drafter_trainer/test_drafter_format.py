@@ -6,8 +6,8 @@ import pytest
 import torch
 from tiny_configs import TARGET_CONFIG
 
-from drafter_trainer.distill import DrafterLM
-from drafter_trainer.drafter_format import (
+from specd.drafter_trainer.distill import DrafterLM
+from specd.drafter_trainer.drafter_format import (
     META_FILE,
     WEIGHTS_FILE,
     DrafterFormatError,
@@ -125,7 +125,7 @@ def test_invalid_tensors_are_refused_before_anything_is_written(tmp_path, corrup
 
 
 def test_plain_torch_llama_loads_the_directory_and_agrees_with_the_trainer(tmp_path):
-    from workers.models.llama import Llama
+    from specd.workers.models.llama import Llama
 
     model, out = _save(tmp_path / "d")
     loaded = Llama.from_pretrained(out)

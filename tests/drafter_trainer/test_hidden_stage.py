@@ -4,9 +4,9 @@ import pytest
 import torch
 from tiny_configs import TARGET_CONFIG
 
-from drafter_trainer.distill import DrafterLM, TeacherSequence
-from drafter_trainer.drafter_format import make_drafter_config, save_drafter
-from drafter_trainer.hidden_stage import (
+from specd.drafter_trainer.distill import DrafterLM, TeacherSequence
+from specd.drafter_trainer.drafter_format import make_drafter_config, save_drafter
+from specd.drafter_trainer.hidden_stage import (
     HiddenDrafterLM,
     collate_features,
     fresh_greedy_match,
@@ -43,7 +43,7 @@ def test_zero_adapter_starts_from_the_token_drafter():
 
 def test_saved_drafter_serves_the_logits_it_was_trained_with(tmp_path):
     """The HF-based trainer and the plain-torch serving Llama agree, adapter included."""
-    from workers.models.llama import Llama
+    from specd.workers.models.llama import Llama
 
     model = _model(seed=1)
     with torch.no_grad():

@@ -10,15 +10,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.redis_server import ManagedRedis
-from configs.schema import TrainerConfig
-from drafter_trainer.gate import LiveMonitor, score
-from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import TargetTeacher, draft_positions, make_example, with_prompt_weight
-from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
-from proto.replay_codec import RecordBuilder, encode_record
+from specd.cluster.redis_server import ManagedRedis
+from specd.configs.schema import TrainerConfig
+from specd.drafter_trainer.gate import LiveMonitor, score
+from specd.drafter_trainer.online import OnlineTrainer
+from specd.drafter_trainer.online_data import TargetTeacher, draft_positions, make_example, with_prompt_weight
+from specd.drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
+from specd.proto.replay_codec import RecordBuilder, encode_record
+from specd.workers.drafters.versions import read_current, target_checksum, version_dir
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
-from workers.drafters.versions import read_current, target_checksum, version_dir
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter_trainer.drafter_format import load_drafter
-from drafter_trainer.publish import VersionStore
-from tests.drafter_trainer.online_helpers import make_tiny_drafter
-from workers.drafters.versions import (
+from specd.drafter_trainer.drafter_format import load_drafter
+from specd.drafter_trainer.publish import VersionStore
+from specd.workers.drafters.versions import (
     VersionError,
     load_version,
     read_current,
@@ -25,6 +24,7 @@ from workers.drafters.versions import (
     version_dir,
     write_pin,
 )
+from tests.drafter_trainer.online_helpers import make_tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +115,10 @@ def _fill(path: Path, leave: int) -> Path:
 
 def test_disk_full_while_publishing_keeps_a_good_current_and_the_trainer_goes_on(
         small_fs, tiny_llama_dir, drafter, tmp_path):
-    from cluster.redis_server import ManagedRedis
-    from drafter_trainer.online import OnlineTrainer
-    from drafter_trainer.online_data import TargetTeacher, make_example
-    from drafter_trainer.replay_source import ReplaySource
+    from specd.cluster.redis_server import ManagedRedis
+    from specd.drafter_trainer.online import OnlineTrainer
+    from specd.drafter_trainer.online_data import TargetTeacher, make_example
+    from specd.drafter_trainer.replay_source import ReplaySource
     from tests.drafter_trainer.online_helpers import greedy_continuations, make_record
     from tests.drafter_trainer.test_online import CFG
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from drafter_trainer.distill import TeacherSequence
-from drafter_trainer.teacher import engine_generate_teacher, hf_generate_teacher, run_teacher_cached
-from workers.engine.runner import ModelRunner
+from specd.drafter_trainer.distill import TeacherSequence
+from specd.drafter_trainer.teacher import engine_generate_teacher, hf_generate_teacher, run_teacher_cached
+from specd.workers.engine.runner import ModelRunner
 
 PROMPTS = [[5, 9, 17, 3], [40, 2], [7, 7, 7, 7, 7, 7, 11], [100, 64, 8]]
 EOS = [1]
@@ -84,7 +84,7 @@ def test_run_teacher_cached_reuses_chunks(tmp_path, monkeypatch, tiny_llama_dir)
 
 
 def test_unknown_teacher_is_refused():
-    from drafter_trainer.bootstrap import BootstrapConfig
+    from specd.drafter_trainer.bootstrap import BootstrapConfig
 
     with pytest.raises(ValueError, match="unknown teacher 'nope'"):
         BootstrapConfig(teacher="nope")

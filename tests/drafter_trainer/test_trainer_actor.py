@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.redis_server import ManagedRedis
-from drafter_trainer.replay_source import ENTRY_FIELD, REASON_FIELD, RECORD_FIELD
-from proto.replay_codec import encode_record
+from specd.cluster.redis_server import ManagedRedis
+from specd.drafter_trainer.replay_source import ENTRY_FIELD, REASON_FIELD, RECORD_FIELD
+from specd.proto.replay_codec import encode_record
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
 
 pytestmark = [pytest.mark.slow,
@@ -42,7 +42,7 @@ def continuations(tiny_llama_dir):
 
 
 def _config(tmp_path: Path, tiny_llama_dir: Path, stream: str, *extra: str):
-    from configs import load_config
+    from specd.configs import load_config
 
     drafter = make_tiny_drafter(tiny_llama_dir, tmp_path / "drafter")
     return load_config([
@@ -72,7 +72,7 @@ def _stats(ray, actor) -> dict | None:
 
 
 def _hostile_records(good: bytes) -> list[bytes]:
-    from proto.specd.v1.replay_pb2 import ReplayRecord
+    from specd.proto.specd.v1.replay_pb2 import ReplayRecord
 
     out = [b"\xff\xfe not protobuf"]
     rec = ReplayRecord.FromString(good)
@@ -92,7 +92,7 @@ def _hostile_records(good: bytes) -> list[bytes]:
 
 def test_hostile_records_go_to_the_dead_letters_and_training_goes_on(tmp_path, tiny_llama_dir, ray_local,
                                                                      redis_server, continuations) -> None:
-    from cluster.trainer_actor import start_trainer_actor
+    from specd.cluster.trainer_actor import start_trainer_actor
 
     ray, stream = ray_local, "s-hostile"
     cfg = _config(tmp_path, tiny_llama_dir, stream)
@@ -127,8 +127,8 @@ def test_hostile_records_go_to_the_dead_letters_and_training_goes_on(tmp_path, t
 
 def test_a_persistent_failure_restarts_the_actor_and_it_trains_on(tmp_path, tiny_llama_dir, ray_local,
                                                                  redis_server, continuations) -> None:
-    from cluster.trainer_actor import start_trainer_actor
-    from workers.drafters.versions import META_FILE, read_current, version_dir
+    from specd.cluster.trainer_actor import start_trainer_actor
+    from specd.workers.drafters.versions import META_FILE, read_current, version_dir
 
     ray, stream = ray_local, "s-persistent"
     cfg = _config(tmp_path, tiny_llama_dir, stream, "trainer.max_restarts=2")

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from cluster.redis_server import ManagedRedis
-from configs.schema import TrainerConfig
-from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import TargetTeacher, cpu_has_native_bf16, make_example, trainer_dtype
-from drafter_trainer.replay_source import ReplaySource
+from specd.cluster.redis_server import ManagedRedis
+from specd.configs.schema import TrainerConfig
+from specd.drafter_trainer.online import OnlineTrainer
+from specd.drafter_trainer.online_data import TargetTeacher, cpu_has_native_bf16, make_example, trainer_dtype
+from specd.drafter_trainer.replay_source import ReplaySource
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
 
 AVX512_BF16 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"

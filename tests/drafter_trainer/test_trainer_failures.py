@@ -12,15 +12,15 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.redis_server import ManagedRedis
-from cluster.trainer_actor import FAILURES_BEFORE_RESTART, LoopHealth, run_loop
-from drafter_trainer.online import OnlineTrainer
-from drafter_trainer.online_data import TargetTeacher
-from drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
-from proto.replay_codec import encode_record
+from specd.cluster.redis_server import ManagedRedis
+from specd.cluster.trainer_actor import FAILURES_BEFORE_RESTART, LoopHealth, run_loop
+from specd.drafter_trainer.online import OnlineTrainer
+from specd.drafter_trainer.online_data import TargetTeacher
+from specd.drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
+from specd.proto.replay_codec import encode_record
+from specd.workers.drafters.versions import META_FILE, read_current, version_dir
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
 from tests.drafter_trainer.test_online import CFG
-from workers.drafters.versions import META_FILE, read_current, version_dir
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 

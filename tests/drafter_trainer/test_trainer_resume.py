@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.redis_server import ManagedRedis
-from drafter_trainer.replay_source import RECORD_FIELD
-from proto.replay_codec import encode_record
+from specd.cluster.redis_server import ManagedRedis
+from specd.drafter_trainer.replay_source import RECORD_FIELD
+from specd.proto.replay_codec import encode_record
 from tests.drafter_trainer.online_helpers import greedy_continuations, make_record, make_tiny_drafter
 
 pytestmark = [pytest.mark.slow,
@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _start(server: ManagedRedis, overrides: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "SPECD_REDIS_PASSWORD": server.password, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "train", f"replay.redis_url={server.endpoint.url}", *overrides],
+        [sys.executable, "-m", "specd.cluster.cli", "train", f"replay.redis_url={server.endpoint.url}", *overrides],
         cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
     )
 
@@ -94,7 +94,7 @@ def _pending(client) -> int:
 
 
 def _held(entry_id) -> bool:
-    from drafter_trainer.online_data import is_held_out
+    from specd.drafter_trainer.online_data import is_held_out
 
     return is_held_out(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, 4)
 

@@ -15,8 +15,8 @@ from functools import partial
 
 import pytest
 
-from cluster.client import SpecdClient
-from cluster.redis_server import free_port
+from specd.cluster.client import SpecdClient
+from specd.cluster.redis_server import free_port
 
 # README's reliability table says these run in CI: with CI set, a skip here fails the suite
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.ci_required]
@@ -48,8 +48,8 @@ def server(tmp_path_factory, boot_hidden_drafter_dir):
     has none, so this runs on a fresh machine too."""
     import ray
 
-    from cluster.serve import serve
-    from configs import load_config
+    from specd.cluster.serve import serve
+    from specd.configs import load_config
 
     store = tmp_path_factory.mktemp("online-store")
     cfg = load_config([

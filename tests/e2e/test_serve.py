@@ -18,7 +18,7 @@ import pytest
 from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from cluster.client import SpecdClient
+from specd.cluster.client import SpecdClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def drafter_kind(cache_dir: str | None) -> str:
-    from workers.drafters.model import default_drafter_dir
+    from specd.workers.drafters.model import default_drafter_dir
 
     # the default model drafter reads the target's hidden states (bootstrap's second stage)
     have = (default_drafter_dir(cache_dir, target_hidden=True) / "config.json").exists()
@@ -56,8 +56,8 @@ def drafter_kind(cache_dir: str | None) -> str:
 @pytest.fixture(scope="module")
 def server():
     ray = pytest.importorskip("ray")
-    from cluster.serve import serve
-    from configs import load_config
+    from specd.cluster.serve import serve
+    from specd.configs import load_config
 
     # config groups and single keys, as `specd serve` takes them; ServerInfo must report them back
     drafter_group = "hidden" if drafter_kind(None) == "model" else "ngram"
@@ -135,8 +135,8 @@ def test_greedy_output_matches_transformers(server) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workers.models.chat import ChatCodec
-    from workers.models.loader import load_tokenizer
+    from specd.workers.models.chat import ChatCodec
+    from specd.workers.models.loader import load_tokenizer
 
     model_dir = server["handle"].info["model_dir"]
     ids = ChatCodec(load_tokenizer(model_dir)).render_chat([{"role": "user", "content": PROMPTS[2]}])

@@ -142,8 +142,8 @@ def overrides_of(docs: list[dict]) -> list[str]:
 
 
 def test_configmap_overrides_pass_specd_validation(rendered) -> None:
-    from cluster.serve import read_overrides_file
-    from configs import load_config
+    from specd.cluster.serve import read_overrides_file
+    from specd.configs import load_config
 
     name, values, docs = rendered
     lines = overrides_of(docs)
@@ -168,7 +168,7 @@ def test_configmap_overrides_pass_specd_validation(rendered) -> None:
 
 
 def test_a_bad_config_value_fails_specd_validation() -> None:
-    from configs import load_config
+    from specd.configs import load_config
 
     lines = overrides_of(render({"config": {"spec.gamma": 99}}))
     with pytest.raises(ValueError, match="spec.gamma=99"):
@@ -241,7 +241,7 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
         assert env[0]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
     url = next(e["value"] for e in router_container(docs)["env"] if e["name"] == "SPECD_REDIS_URL")
     assert url == redis.get("externalUrl") or url.startswith("redis://rel-specd-redis.specd.svc")
-    from configs import load_config
+    from specd.configs import load_config
 
     cfg = load_config(cfg_lines)
     assert cfg.replay.redis_url == url           # the replay writer and trainer use the same Redis

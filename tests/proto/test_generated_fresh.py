@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proto import build
+from specd.proto import build
 
 pytest.importorskip("grpc_tools")
 
@@ -19,11 +19,11 @@ def test_committed_generated_code_is_fresh(tmp_path: Path) -> None:
         committed = build.PROTO_ROOT / path.relative_to(tmp_path)
         if not committed.is_file() or committed.read_text() != path.read_text():
             stale.append(str(committed.relative_to(build.PROTO_ROOT.parent)))
-    assert not stale, f"generated code is stale, run `python -m proto.build`: {stale}"
+    assert not stale, f"generated code is stale, run `python -m specd.proto.build`: {stale}"
 
 
 def test_generated_modules_import_from_the_repo_package() -> None:
-    from proto.specd.v1 import serving_pb2, serving_pb2_grpc
+    from specd.proto.specd.v1 import serving_pb2, serving_pb2_grpc
 
     assert serving_pb2.DESCRIPTOR.package == "specd.v1"
     assert "Specd" in serving_pb2.DESCRIPTOR.services_by_name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proto.replay_codec import (
+from specd.proto.replay_codec import (
     RecordBuilder,
     ReplayFormatError,
     decode_record,

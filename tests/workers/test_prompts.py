@@ -2,8 +2,8 @@
 
 import pytest
 
-from workers import prompts as data
-from workers.models.chat import ChatCodec
+from specd.workers import prompts as data
+from specd.workers.models.chat import ChatCodec
 
 
 @pytest.mark.parametrize("source, rows", [("gsm8k", 1319), ("humaneval", 164)])
@@ -94,7 +94,7 @@ def test_chat_template_wraps_gsm8k_verbatim_and_humaneval_with_an_instruction():
 
 
 def test_chat_prompts_are_eval_only_and_never_trained_on():
-    from workers.prompts import EVAL_ONLY_SOURCES, SOURCES, load_prompts, load_split
+    from specd.workers.prompts import EVAL_ONLY_SOURCES, SOURCES, load_prompts, load_split
 
     chat = load_split("chat", "eval")
     assert len(chat) == 32 and all(p.source == "chat" and p.text.strip() for p in chat)
@@ -104,8 +104,8 @@ def test_chat_prompts_are_eval_only_and_never_trained_on():
 
 
 def test_general_prompts_are_the_quick_drafters_and_apart_from_the_benchmarks():
-    from drafter_trainer.bootstrap import BootstrapConfig
-    from workers.prompts import GENERAL_SOURCES, SOURCES, load_prompts, load_split
+    from specd.drafter_trainer.bootstrap import BootstrapConfig
+    from specd.workers.prompts import GENERAL_SOURCES, SOURCES, load_prompts, load_split
 
     train, held = load_split("general", "train"), load_split("general", "eval")
     assert (len(train), len(held)) == (144, 16) and all(p.text.strip() for p in train + held)
@@ -120,7 +120,7 @@ def test_general_prompts_are_the_quick_drafters_and_apart_from_the_benchmarks():
 def test_openchat_stream_and_held_out_prompts_are_apart_from_every_other_chat_set():
     import re
 
-    from workers.prompts import SOURCES, STREAM_SOURCES, load_prompts, load_split
+    from specd.workers.prompts import SOURCES, STREAM_SOURCES, load_prompts, load_split
 
     stream, held = load_split("openchat", "train"), load_split("openchat", "eval")
     assert (len(stream), len(held)) == (200, 40) and all(p.text.strip() for p in stream + held)

@@ -43,7 +43,7 @@ from typing import ClassVar
 
 import torch
 
-from workers.core.goodput import Acceptance, CostProfile, GoodputController, Plan, Slot, StepCostModel
+from specd.workers.core.goodput import Acceptance, CostProfile, GoodputController, Plan, Slot, StepCostModel
 
 
 @dataclass

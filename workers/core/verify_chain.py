@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.core.sampling import exponential_noise, sample_with_noise, uniform_noise
+from specd.workers.core.sampling import exponential_noise, sample_with_noise, uniform_noise
 
 
 @dataclass

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.core.sampling import exponential_noise, sample_with_noise, uniform_noise
-from workers.core.tree import TokenTree, pad_trees
-from workers.core.verify_chain import residual_weights
+from specd.workers.core.sampling import exponential_noise, sample_with_noise, uniform_noise
+from specd.workers.core.tree import TokenTree, pad_trees
+from specd.workers.core.verify_chain import residual_weights
 
 
 @dataclass

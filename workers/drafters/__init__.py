@@ -1,12 +1,12 @@
 """Drafters behind one interface (base.Drafter), built by name from the registry.
 
 Importing the package registers the light built-in drafters (ngram); the model drafter registers itself
-when `build_drafter("model", ...)` first imports workers.drafters.model.
+when `build_drafter("model", ...)` first imports specd.workers.drafters.model.
 """
 
-from workers.drafters.base import Drafter, DraftProposal, DraftTree
-from workers.drafters.ngram import NGramDrafter
-from workers.drafters.registry import DRAFTERS, build_drafter, register_drafter
+from specd.workers.drafters.base import Drafter, DraftProposal, DraftTree
+from specd.workers.drafters.ngram import NGramDrafter
+from specd.workers.drafters.registry import DRAFTERS, build_drafter, register_drafter
 
 __all__ = [
     "DRAFTERS",

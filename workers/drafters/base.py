@@ -26,8 +26,8 @@ import torch
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from workers.core.gamma import GammaPolicy, GammaState
-    from workers.core.sampling import SamplingParams
+    from specd.workers.core.gamma import GammaPolicy, GammaState
+    from specd.workers.core.sampling import SamplingParams
 
 
 # Request ids with this prefix are the system's own scratch requests (the start-up cost profile): drafters
@@ -64,7 +64,7 @@ class DraftProposal:
 class DraftTree:
     """Token-tree drafts for a batch of requests, nodes in topological order (a parent before its children).
 
-    Numbering follows workers.core.tree.TokenTree, whose node 0 is the root (the last committed token) and
+    Numbering follows specd.workers.core.tree.TokenTree, whose node 0 is the root (the last committed token) and
     whose node n + 1 is draft n: parents[i][n] is the tree index of draft n's parent (0 = the root, k = draft
     k - 1), so TokenTree(tokens=[root, *tokens[i]], parents=[-1, *parents[i]]) is request i's tree. A chain
     has parents [0, 1, 2, ...]. probs[i, n] is q_child, the distribution draft n was drafted from: the

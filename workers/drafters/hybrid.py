@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from workers.drafters.base import Drafter, DraftProposal, check_batch
-from workers.drafters.model import ModelDrafter
-from workers.drafters.ngram import NGramDrafter
-from workers.drafters.registry import register_drafter
+from specd.workers.drafters.base import Drafter, DraftProposal, check_batch
+from specd.workers.drafters.model import ModelDrafter
+from specd.workers.drafters.ngram import NGramDrafter
+from specd.workers.drafters.registry import register_drafter
 
 
 @register_drafter("hybrid")

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from workers.core.sampling import SEED_RANGE, logits_to_probs, make_generator, params_to_tensors, sample
-from workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
-from workers.drafters.registry import register_drafter
-from workers.drafters.versions import META_FILE
-from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
-from workers.models.loader import default_cache_dir
+from specd.workers.core.sampling import SEED_RANGE, logits_to_probs, make_generator, params_to_tensors, sample
+from specd.workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
+from specd.workers.drafters.registry import register_drafter
+from specd.workers.drafters.versions import META_FILE
+from specd.workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
+from specd.workers.models.loader import default_cache_dir
 
 
 def default_drafter_dir(cache_dir: str | Path | None = None, target_hidden: bool = False) -> Path:

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workers.drafters.base import Drafter, DraftProposal, check_batch
-from workers.drafters.registry import register_drafter
+from specd.workers.drafters.base import Drafter, DraftProposal, check_batch
+from specd.workers.drafters.registry import register_drafter
 
 if TYPE_CHECKING:
-    from workers.core.gamma import GammaPolicy, GammaState
-    from workers.core.sampling import SamplingParams
+    from specd.workers.core.gamma import GammaPolicy, GammaState
+    from specd.workers.core.sampling import SamplingParams
 
 
 @dataclass

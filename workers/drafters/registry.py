@@ -1,7 +1,7 @@
 """Drafters by name: a dict filled by a decorator, so adding a drafter never touches an if/elif chain.
 
 Each drafter module registers itself with `@register_drafter("name")`. `build_drafter(name)` imports
-`workers.drafters.<name>` on first use when the name is not registered yet, so heavy drafters (the model
+`specd.workers.drafters.<name>` on first use when the name is not registered yet, so heavy drafters (the model
 drafter, registered as "model" in workers/drafters/model.py) load only when a config asks for them, and a
 new drafter needs no edit here. The n-gram drafter registers as "ngram" (workers/drafters/ngram.py).
 """
@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from workers.drafters.base import Drafter
+from specd.workers.drafters.base import Drafter
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 
@@ -36,7 +36,7 @@ def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
 
 
 def drafter_class(name: str) -> type[Drafter]:
-    """The Drafter subclass registered under name, importing workers.drafters.<name> on first use."""
+    """The Drafter subclass registered under name, importing specd.workers.drafters.<name> on first use."""
     if name not in DRAFTERS:
         try:
             importlib.import_module(f"{__package__}.{name}")

@@ -33,9 +33,16 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.drafters.base import SCRATCH_PREFIX, Drafter, DraftHint, DraftProposal, DraftTree, check_batch
-from workers.drafters.registry import register_drafter
-from workers.drafters.suffix_index import ContextIndex, SuffixDraft, SuffixIndex
+from specd.workers.drafters.base import (
+    SCRATCH_PREFIX,
+    Drafter,
+    DraftHint,
+    DraftProposal,
+    DraftTree,
+    check_batch,
+)
+from specd.workers.drafters.registry import register_drafter
+from specd.workers.drafters.suffix_index import ContextIndex, SuffixDraft, SuffixIndex
 
 SOURCES = ("local", "global", "model")
 # Match lengths whose suffix drafts are accepted alike: a longer match predicts its continuation better.
@@ -148,7 +155,7 @@ class SuffixDrafter(Drafter):
     def from_config(cls, cfg, *, target_model_dir: str, cache_dir: str | None = None, seed: int = 0):
         model = None
         if cfg.suffix_with_model:
-            from workers.drafters.model import ModelDrafter  # heavy: only when a model drafts beside it
+            from specd.workers.drafters.model import ModelDrafter  # heavy: only when a model drafts beside it
 
             model = ModelDrafter.from_config(
                 cfg, target_model_dir=target_model_dir, cache_dir=cache_dir, seed=seed

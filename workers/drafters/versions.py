@@ -167,7 +167,7 @@ def _target_tensor(target_dir: str | Path, name: str) -> torch.Tensor:
 
 def check_fits(model, tensors: dict[str, torch.Tensor]) -> None:
     """Raise VersionError unless `tensors` cover exactly the running Llama's parameters with their
-    shapes, so that loading them cannot fail half-way (model: workers.models.llama.Llama)."""
+    shapes, so that loading them cannot fail half-way (model: specd.workers.models.llama.Llama)."""
     expected = model._expected_hf_names()
     missing = expected - set(tensors)
     if missing:

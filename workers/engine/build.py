@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from configs.schema import SpecdConfig
-    from workers.engine.spec_engine import SpecEngine
-    from workers.engine.vllm_engine import VllmEngine
+    from specd.configs.schema import SpecdConfig
+    from specd.workers.engine.spec_engine import SpecEngine
+    from specd.workers.engine.vllm_engine import VllmEngine
 
 
 def worker_seeds(seed: int, replica: int = 0) -> tuple[int, int]:
@@ -30,13 +30,13 @@ def build_engine(
     under a SpecEngine, or with target.backend=vllm a VllmEngine (specd's drafter as its proposer).
     `vllm_kwargs` go to vllm.LLM."""
     if cfg.target.backend == "vllm":
-        from workers.engine.vllm_engine import VllmEngine
+        from specd.workers.engine.vllm_engine import VllmEngine
 
         return VllmEngine(cfg, speculation="specd" if speculative else "none", max_running=max_running,
                           llm_kwargs=vllm_kwargs)
-    from workers.engine.draft_worker import DraftWorker
-    from workers.engine.spec_engine import SpecEngine
-    from workers.engine.target_worker import TargetWorker
+    from specd.workers.engine.draft_worker import DraftWorker
+    from specd.workers.engine.spec_engine import SpecEngine
+    from specd.workers.engine.target_worker import TargetWorker
 
     target_seed, drafter_seed = worker_seeds(cfg.seed)
     target = TargetWorker(cfg.target, seed=target_seed, cache_dir=cfg.cache_dir)

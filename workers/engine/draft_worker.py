@@ -18,15 +18,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
-from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
-from workers.drafters.registry import drafter_class
-from workers.drafters.versions import write_pin
-from workers.engine.gc_freeze import freeze_loaded_objects
-from workers.engine.host_memory import keep_freed_memory
-from workers.engine.profile import profile_drafter
-from workers.engine.target_worker import resolve_device
-from workers.engine.types import Draft, DraftItem, NewRequest
+from specd.workers.core.gamma import PRIOR_PROFILE, GammaPolicy, GammaState, GoodputGamma, build_gamma_policy
+from specd.workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel
+from specd.workers.drafters.registry import drafter_class
+from specd.workers.drafters.versions import write_pin
+from specd.workers.engine.gc_freeze import freeze_loaded_objects
+from specd.workers.engine.host_memory import keep_freed_memory
+from specd.workers.engine.profile import profile_drafter
+from specd.workers.engine.target_worker import resolve_device
+from specd.workers.engine.types import Draft, DraftItem, NewRequest
 
 
 @dataclass
@@ -187,7 +187,7 @@ class DraftWorker:
     def watch_versions(self, root: str, target_model_dir: str, poll_s: float = 2.0) -> str:
         """Follow the online trainer's version store at `root` (workers/engine/hot_swap.py): new versions
         are loaded and verified in the background and applied between steps. Returns the serving version."""
-        from workers.engine.hot_swap import DrafterSwapper
+        from specd.workers.engine.hot_swap import DrafterSwapper
 
         weights = self.drafter.weights_drafter
         if weights is None:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
+from specd.workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
 
 T = TypeVar("T")
 MODES = ("direct", "thread", "actor")

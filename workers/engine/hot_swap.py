@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from workers.drafters.versions import VersionError, check_fits, load_version, read_current, version_dir
+from specd.workers.drafters.versions import VersionError, check_fits, load_version, read_current, version_dir
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class DrafterSwapper:
     def __init__(self, root: str | Path, target_dir: str | Path, model, serving_version: str,
                  poll_s: float = 2.0):
-        """model: the running drafter's workers.models.llama.Llama (tensors are checked against it)."""
+        """model: the running drafter's specd.workers.models.llama.Llama (tensors are checked against it)."""
         self.root = Path(root)
         self.target_dir = Path(target_dir)
         self.model = model

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.core.goodput import interpolate
-from workers.core.sampling import SamplingParams
-from workers.drafters.base import SCRATCH_PREFIX
+from specd.workers.core.goodput import interpolate
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.base import SCRATCH_PREFIX
 
 PROFILE_TOKENS = (1, 2, 3, 5, 9)   # tokens per row measured; the rest of 1..max is interpolated
 RAGGED_PAIRS = 6                   # interleaved (plain, ragged) pairs per ragged shape and batch size

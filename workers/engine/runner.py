@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from workers.core.kv_cache import CacheFullError, KVCache
-from workers.engine.static_decode import StaticDecoder
-from workers.models.llama import Llama, iter_safetensors, safetensors_files
+from specd.workers.core.kv_cache import CacheFullError, KVCache
+from specd.workers.engine.static_decode import StaticDecoder
+from specd.workers.models.llama import Llama, iter_safetensors, safetensors_files
 
 DECODE_MODES = ("eager", "static", "graph")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

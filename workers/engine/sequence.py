@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.core.stats import RequestStats
-from workers.engine.types import DraftItem, FinishReason, NewRequest, VerifyResult
+from specd.workers.core.stats import RequestStats
+from specd.workers.engine.types import DraftItem, FinishReason, NewRequest, VerifyResult
 
 
 @dataclass

@@ -13,11 +13,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from workers.core.guard import SpeculationGuard
-from workers.engine.handles import DrafterHandle, TargetHandle, run_sync
-from workers.engine.sequence import Sequence
-from workers.engine.step import SpecStep
-from workers.engine.types import NewRequest
+from specd.workers.core.guard import SpeculationGuard
+from specd.workers.engine.handles import DrafterHandle, TargetHandle, run_sync
+from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.step import SpecStep
+from specd.workers.engine.types import NewRequest
 
 
 class SpecEngine:

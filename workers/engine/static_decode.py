@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.core.kv_cache import KVCache
-from workers.models.llama import Llama
+from specd.workers.core.kv_cache import KVCache
+from specd.workers.models.llama import Llama
 
 MIN_KV = 128
 

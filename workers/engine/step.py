@@ -31,10 +31,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from workers.core.guard import SpeculationGuard
-from workers.engine.handles import DrafterHandle, TargetHandle
-from workers.engine.sequence import Sequence
-from workers.engine.types import Draft, VerifyResult
+from specd.workers.core.guard import SpeculationGuard
+from specd.workers.engine.handles import DrafterHandle, TargetHandle
+from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.types import Draft, VerifyResult
 
 log = logging.getLogger(__name__)
 DRAFTER_RETRY_S = 2.0   # how often a step asks a failed drafter whether it is back

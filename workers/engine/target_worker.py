@@ -18,22 +18,22 @@ from pathlib import Path
 
 import torch
 
-from workers.core.sampling import (
+from specd.workers.core.sampling import (
     SamplingParams,
     logits_to_probs,
     make_generator,
     params_to_tensors,
     sample,
 )
-from workers.core.tree import TokenTree
-from workers.core.verify_chain import verify_chain
-from workers.core.verify_tree import verify_trees
-from workers.engine.gc_freeze import freeze_loaded_objects
-from workers.engine.host_memory import keep_freed_memory
-from workers.engine.profile import profile_verify
-from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
-from workers.engine.types import Draft, NewRequest, VerifyResult
-from workers.models.loader import ensure_target_model
+from specd.workers.core.tree import TokenTree
+from specd.workers.core.verify_chain import verify_chain
+from specd.workers.core.verify_tree import verify_trees
+from specd.workers.engine.gc_freeze import freeze_loaded_objects
+from specd.workers.engine.host_memory import keep_freed_memory
+from specd.workers.engine.profile import profile_verify
+from specd.workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
+from specd.workers.engine.types import Draft, NewRequest, VerifyResult
+from specd.workers.models.loader import ensure_target_model
 
 
 @dataclass

@@ -12,7 +12,7 @@ from enum import StrEnum
 
 import torch
 
-from workers.core.sampling import SamplingParams
+from specd.workers.core.sampling import SamplingParams
 
 
 class FinishReason(StrEnum):
@@ -30,7 +30,7 @@ class SpecParams:
     """Per-request speculation settings, already clamped to the operator's bounds."""
 
     gamma: int = 3                # draft length budget (upper bound for the γ policy); = configs spec.gamma
-    policy: str = "fixed"         # key of workers.core.gamma.GAMMA_POLICIES
+    policy: str = "fixed"         # key of specd.workers.core.gamma.GAMMA_POLICIES
     tree_width: int = 1           # 1 = chain; >1 = token tree with this many first-level children
     enabled: bool = True          # False = target-only decoding (the baseline)
 

@@ -34,13 +34,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from workers.core.stats import RequestStats
-from workers.drafters.model import read_drafter_version, resolve_drafter_dir
-from workers.engine.runner import resolve_dtype
-from workers.engine.sequence import Sequence
-from workers.engine.types import FinishReason, NewRequest, VerifyResult
-from workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
-from workers.models.loader import ensure_target_model
+from specd.workers.core.stats import RequestStats
+from specd.workers.drafters.model import read_drafter_version, resolve_drafter_dir
+from specd.workers.engine.runner import resolve_dtype
+from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.types import FinishReason, NewRequest, VerifyResult
+from specd.workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
+from specd.workers.models.loader import ensure_target_model
 
 SPECULATION_MODES = ("specd", "vllm-ngram", "none")
 

@@ -2,7 +2,7 @@
 
 Why this route. vLLM keeps the target's scheduler, paged KV cache, kernels and rejection sampler; the one
 place it takes draft tokens from outside is speculative_config={"method": "custom_class", "model":
-"workers.engine.vllm_proposer.SpecdProposer"}. After every engine step its model runner calls
+"specd.workers.engine.vllm_proposer.SpecdProposer"}. After every engine step its model runner calls
 `propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)` with each batch row's token history and
 takes back one list of draft ids per row, which the next step verifies. The alternatives are worse:
 vLLM's "draft_model" method runs the drafter as a vLLM model (no reduced-vocabulary head, no n-gram
@@ -43,10 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-from configs.schema import DrafterConfig, SpecConfig
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.types import DraftItem, NewRequest, SpecParams
+from specd.configs.schema import DrafterConfig, SpecConfig
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.types import DraftItem, NewRequest, SpecParams
 
 ENV_SETTINGS = "SPECD_VLLM_PROPOSER_CONFIG"
 PROPOSER_CLASS = f"{__name__}.SpecdProposer"
@@ -81,7 +81,7 @@ class ProposerSettings:
         if not path:
             raise RuntimeError(
                 f"{PROPOSER_CLASS} needs ${ENV_SETTINGS} (a JSON file of ProposerSettings); "
-                "build the engine with workers.engine.vllm_engine.VllmEngine"
+                "build the engine with specd.workers.engine.vllm_engine.VllmEngine"
             )
         return cls.read(path)
 

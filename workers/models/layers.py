@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.core.kv_cache import KVCache
-from workers.models.config import LlamaConfig
+from specd.workers.core.kv_cache import KVCache
+from specd.workers.models.config import LlamaConfig
 
 # oneDNN picks a blocked weight layout for this many rows; measured at least as good for 1..16 rows.
 PACK_ROWS_HINT = 16

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from workers.core.kv_cache import KVCache
-from workers.models.config import LlamaConfig
-from workers.models.layers import (
+from specd.workers.core.kv_cache import KVCache
+from specd.workers.models.config import LlamaConfig
+from specd.workers.models.layers import (
     BatchPlan,
     Block,
     Linear,

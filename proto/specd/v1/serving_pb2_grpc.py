@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.specd.v1 import serving_pb2 as specd_dot_v1_dot_serving__pb2
+from specd.proto.specd.v1 import serving_pb2 as specd_dot_v1_dot_serving__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

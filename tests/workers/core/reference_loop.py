@@ -15,10 +15,16 @@ from collections.abc import Callable
 
 import torch
 
-from workers.core.sampling import SamplingParams, logits_to_probs, make_generator, params_to_tensors, sample
-from workers.core.tree import TokenTree
-from workers.core.verify_chain import verify_chain
-from workers.core.verify_tree import verify_tree
+from specd.workers.core.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    make_generator,
+    params_to_tensors,
+    sample,
+)
+from specd.workers.core.tree import TokenTree
+from specd.workers.core.verify_chain import verify_chain
+from specd.workers.core.verify_tree import verify_tree
 
 LogitsFn = Callable[[list[int]], torch.Tensor]
 

@@ -13,9 +13,9 @@ from reference_loop import speculative_generate
 from scipy.stats import chisquare
 from toy import ToyLM, encode, exact_distribution, greedy_decode, residual_skipped
 
-from workers.core.sampling import SamplingParams, sample
-from workers.core.verify_chain import verify_chain
-from workers.core.verify_tree import verify_tree_batch
+from specd.workers.core.sampling import SamplingParams, sample
+from specd.workers.core.verify_chain import verify_chain
+from specd.workers.core.verify_tree import verify_tree_batch
 
 VOCAB = 5
 LENGTH = 3  # tokens per continuation: 125 outcomes

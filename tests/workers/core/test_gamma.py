@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from workers.core.gamma import (
+from specd.workers.core.gamma import (
     GAMMA_POLICIES,
     AdaptiveGamma,
     ConfidenceGamma,

@@ -2,8 +2,15 @@
 
 import pytest
 
-from workers.core.gamma import GoodputGamma, build_gamma_policy
-from workers.core.goodput import Acceptance, CostProfile, GoodputController, Slot, StepCostModel, interpolate
+from specd.workers.core.gamma import GoodputGamma, build_gamma_policy
+from specd.workers.core.goodput import (
+    Acceptance,
+    CostProfile,
+    GoodputController,
+    Slot,
+    StepCostModel,
+    interpolate,
+)
 
 BATCHES = (1, 4, 16)
 N_MAX = 9

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.core.guard import OFF, ON, SpeculationGuard, busy_seconds
+from specd.workers.core.guard import OFF, ON, SpeculationGuard, busy_seconds
 
 
 def run(guard: SpeculationGuard, windows: int, seconds: dict[str, float], tokens: dict[str, int],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.core.kv_cache import CacheFullError, KVCache
+from specd.workers.core.kv_cache import CacheFullError, KVCache
 
 LAYERS, SLOTS, MAX_LEN, HEADS, DIM = 2, 3, 8, 2, 4
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare, kstest
 
-from workers.core.sampling import (
+from specd.workers.core.sampling import (
     SamplingParams,
     exponential_noise,
     logits_to_probs,

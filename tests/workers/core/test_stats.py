@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from workers.core.stats import RequestStats
+from specd.workers.core.stats import RequestStats
 
 
 def three_steps() -> RequestStats:

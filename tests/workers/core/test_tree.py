@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from workers.core.tree import TokenTree, pad_trees
+from specd.workers.core.tree import TokenTree, pad_trees
 
 
 def example_tree() -> TokenTree:

@@ -1,8 +1,8 @@
 import torch
 from toy import residual_skipped
 
-from workers.core.sampling import make_generator
-from workers.core.verify_chain import truncate_at_stop, verify_chain
+from specd.workers.core.sampling import make_generator
+from specd.workers.core.verify_chain import truncate_at_stop, verify_chain
 
 VOCAB = 6
 

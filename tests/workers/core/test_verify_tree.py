@@ -1,10 +1,10 @@
 import torch
 from toy import residual_skipped
 
-from workers.core.sampling import make_generator
-from workers.core.tree import TokenTree
-from workers.core.verify_chain import verify_chain
-from workers.core.verify_tree import children_table, verify_tree, verify_tree_batch, verify_trees
+from specd.workers.core.sampling import make_generator
+from specd.workers.core.tree import TokenTree
+from specd.workers.core.verify_chain import verify_chain
+from specd.workers.core.verify_tree import children_table, verify_tree, verify_tree_batch, verify_trees
 
 VOCAB = 6
 

@@ -11,7 +11,7 @@ from unittest import mock
 
 import torch
 
-from workers.core.sampling import SamplingParams, logits_to_probs, params_to_tensors
+from specd.workers.core.sampling import SamplingParams, logits_to_probs, params_to_tensors
 
 
 class ToyLM:
@@ -69,6 +69,6 @@ def residual_skipped():
     def p_only(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         return p
 
-    with mock.patch("workers.core.verify_chain.residual_weights", p_only), \
-            mock.patch("workers.core.verify_tree.residual_weights", p_only):
+    with mock.patch("specd.workers.core.verify_chain.residual_weights", p_only), \
+            mock.patch("specd.workers.core.verify_tree.residual_weights", p_only):
         yield

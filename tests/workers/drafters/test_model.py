@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.core.sampling import SamplingParams
-from workers.drafters.model import ModelDrafter
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.model import ModelDrafter
 
 
 @pytest.fixture(scope="module")

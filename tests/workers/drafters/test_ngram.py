@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from workers.core.gamma import FixedGamma
-from workers.drafters.base import DraftProposal, DraftTree
-from workers.drafters.ngram import NGramDrafter
+from specd.workers.core.gamma import FixedGamma
+from specd.workers.drafters.base import DraftProposal, DraftTree
+from specd.workers.drafters.ngram import NGramDrafter
 
 
 def drafter_with(tokens: list[int], **cfg) -> NGramDrafter:
@@ -137,7 +137,7 @@ def test_request_lifecycle_errors() -> None:
 def test_a_tree_request_runs_as_a_chain_and_says_so_once(caplog) -> None:
     drafter = drafter_with([1, 2, 3, 1, 2])
     params = [None]
-    with caplog.at_level("WARNING", logger="workers.drafters.base"):
+    with caplog.at_level("WARNING", logger="specd.workers.drafters.base"):
         for _ in range(2):
             tree = drafter.propose_tree(["r"], [2], [3], params)
     assert tree.parents == [list(range(len(tree.tokens[0])))]

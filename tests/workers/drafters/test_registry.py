@@ -2,10 +2,10 @@ import sys
 
 import pytest
 
-import workers.drafters
-from workers.drafters.base import Drafter, DraftProposal
-from workers.drafters.ngram import NGramDrafter
-from workers.drafters.registry import DRAFTERS, build_drafter, register_drafter
+import specd.workers.drafters
+from specd.workers.drafters.base import Drafter, DraftProposal
+from specd.workers.drafters.ngram import NGramDrafter
+from specd.workers.drafters.registry import DRAFTERS, build_drafter, register_drafter
 
 
 class ToyDrafter(Drafter):
@@ -73,10 +73,10 @@ def test_unknown_config_key_raises() -> None:
 
 
 def test_build_imports_the_drafter_module_on_first_use(clean_registry, monkeypatch) -> None:
-    # Simulate a drafter whose module was never imported: build_drafter must import workers.drafters.ngram.
+    # Simulate a drafter whose module was never imported: build_drafter must import specd.workers.drafters.ngram.
     del DRAFTERS["ngram"]
-    monkeypatch.delitem(sys.modules, "workers.drafters.ngram")
-    monkeypatch.delattr(workers.drafters, "ngram")
+    monkeypatch.delitem(sys.modules, "specd.workers.drafters.ngram")
+    monkeypatch.delattr(specd.workers.drafters, "ngram")
     drafter = build_drafter("ngram")
     assert drafter.name == "ngram"
     assert "ngram" in DRAFTERS

@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from workers.core.sampling import SamplingParams
-from workers.drafters.base import SCRATCH_PREFIX
-from workers.drafters.registry import build_drafter
-from workers.drafters.suffix import SuffixDrafter
-from workers.drafters.suffix_index import ContextIndex, SuffixIndex
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.base import SCRATCH_PREFIX
+from specd.workers.drafters.registry import build_drafter
+from specd.workers.drafters.suffix import SuffixDrafter
+from specd.workers.drafters.suffix_index import ContextIndex, SuffixIndex
 
 GREEDY = SamplingParams()
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 
 WORKERS = str(Path(__file__).resolve().parents[3] / "workers")
 # Functions that make a new tensor from nothing (or from Python data): each must be told its device.
@@ -118,7 +118,7 @@ def test_engine_creates_every_tensor_on_an_explicit_device(
 
 def test_guard_catches_a_tensor_without_device(device_guard):
     """The guard itself: a factory call from workers/ code without a device raises, naming the line."""
-    from workers.core import tree
+    from specd.workers.core import tree
 
     with pytest.raises(ImplicitDeviceError, match="torch.zeros without device="):
         code = compile("torch.zeros(3)", tree.__file__, "eval")

@@ -20,14 +20,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy.stats import chisquare
 
-from configs import load_config
-from workers.core import verify_chain, verify_tree
-from workers.core.sampling import SamplingParams, logits_to_probs, params_to_tensors
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
-from workers.models.llama import FEATURE_PROJ, FEATURE_STALENESS
+from specd.configs import load_config
+from specd.workers.core import verify_chain, verify_tree
+from specd.workers.core.sampling import SamplingParams, logits_to_probs, params_to_tensors
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.llama import FEATURE_PROJ, FEATURE_STALENESS
 
 PROMPT = [17, 60, 33]
 DEPTH = 3          # tokens compared: the prefill's first token and the first step's drafts, bonus or not

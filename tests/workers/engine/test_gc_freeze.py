@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from workers.engine.gc_freeze import freeze_loaded_objects
+from specd.workers.engine.gc_freeze import freeze_loaded_objects
 
 
 class _Node:

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
 
@@ -121,7 +121,7 @@ def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch
 
 
 def test_pad_weight_from_a_ragged_forward() -> None:
-    from workers.engine.profile import _pad_weight
+    from specd.workers.engine.profile import _pad_weight
 
     row = [0.01 * n for n in range(1, 10)]                          # uniform rows: 10 ms per token per row
     assert _pad_weight(row, row[-1], 4, 9) == pytest.approx(1.0)     # costs the longest row's: padded
@@ -135,7 +135,7 @@ def test_a_combined_drafter_is_profiled_through_its_model(cfg, target):
     """The suffix drafter drafts the profile's own repeated tokens from its index for free: timed as
     itself it priced its model's forwards and catch-ups at zero. The profile times the model drafter
     inside it; a lookup-only drafter stays free."""
-    from workers.engine.profile import profile_drafter
+    from specd.workers.engine.profile import profile_drafter
 
     cfg.drafter.kind = "suffix"
     cfg.drafter.suffix_with_model = True
@@ -171,7 +171,7 @@ class ClockRunner:
 
 
 def test_ragged_cost_is_timed_in_pairs_beside_a_plain_forward(monkeypatch) -> None:
-    from workers.engine import profile
+    from specd.workers.engine import profile
 
     runner = ClockRunner()
     monkeypatch.setattr(profile.time, "perf_counter", lambda: runner.now)
@@ -191,8 +191,8 @@ def test_estimates_start_from_the_drafters_held_out_acceptance(cfg, tiny_drafter
     import json
     import shutil
 
-    from workers.drafters.versions import META_FILE
-    from workers.engine.draft_worker import DEFAULT_PRIOR
+    from specd.workers.drafters.versions import META_FILE
+    from specd.workers.engine.draft_worker import DEFAULT_PRIOR
 
     drafter_dir = tmp_path / "drafter"
     shutil.copytree(tiny_drafter_dir, drafter_dir)

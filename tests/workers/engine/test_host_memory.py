@@ -12,11 +12,11 @@ import textwrap
 
 import pytest
 
-from workers.engine import host_memory
+from specd.workers.engine import host_memory
 
 STEPS = textwrap.dedent("""
     import resource, sys, torch
-    from workers.engine import host_memory
+    from specd.workers.engine import host_memory
     if sys.argv[1] == "keep":
         assert host_memory.keep_freed_memory() and host_memory.keep_freed_memory()   # once; again: no-op
     else:

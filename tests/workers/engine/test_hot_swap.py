@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from configs import load_config
-from drafter_trainer.drafter_format import load_drafter
-from drafter_trainer.publish import VersionStore
+from specd.configs import load_config
+from specd.drafter_trainer.drafter_format import load_drafter
+from specd.drafter_trainer.publish import VersionStore
+from specd.workers.drafters.versions import VersionError, read_pin, target_checksum
+from specd.workers.engine.draft_worker import DEFAULT_PRIOR, DraftWorker
 from tests.drafter_trainer.online_helpers import make_tiny_drafter
-from workers.drafters.versions import VersionError, read_pin, target_checksum
-from workers.engine.draft_worker import DEFAULT_PRIOR, DraftWorker
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
     # (the online version carries no held-out figure: the default prior)
     assert worker.positions[True].alpha()[0] == DEFAULT_PRIOR > low
 
-    caplog.set_level(logging.WARNING, logger="workers.engine.hot_swap")
+    caplog.set_level(logging.WARNING, logger="specd.workers.engine.hot_swap")
     corrupt = _publish(store, token_dir, tiny_llama_dir)
     weights = store.root / "versions" / corrupt / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -77,7 +77,7 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
 
 
 def store_current(store: VersionStore, version: str) -> None:
-    from workers.drafters.versions import write_current
+    from specd.workers.drafters.versions import write_current
 
     write_current(store.root, version)
 
@@ -111,7 +111,7 @@ def test_a_version_loaded_while_another_was_pinned_is_not_applied(tmp_path, tiny
                                                                   monkeypatch):
     """The poll thread loads CURRENT while the caller pins another version (bench osd's held-out
     evaluation): the stale load must neither overwrite the pinned one nor be applied."""
-    import workers.engine.hot_swap as hot_swap
+    import specd.workers.engine.hot_swap as hot_swap
 
     token_dir, _ = drafters
     worker = _worker(tiny_llama_dir, token_dir)

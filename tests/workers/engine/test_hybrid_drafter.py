@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 
 # Repetitive prompts make the n-gram side copy; the others leave it to the model.
 PROMPTS = [[5, 9, 13, 2, 5, 9, 13, 2, 5, 9], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 30, 31, 8]]

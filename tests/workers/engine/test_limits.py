@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from configs import load_config
-from workers.core.kv_cache import CacheFullError
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.runner import ModelRunner
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from specd.configs import load_config
+from specd.workers.core.kv_cache import CacheFullError
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.runner import ModelRunner
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 
 GREEDY = SamplingParams()
 

@@ -12,14 +12,14 @@ import functools
 import pytest
 import torch
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
-from workers.models.loader import load_tokenizer
-from workers.prompts import encode_prompt, load_prompts
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.loader import load_tokenizer
+from specd.workers.prompts import encode_prompt, load_prompts
 
 NUM_PROMPTS, NEW_TOKENS = 20, 128
 TIE_MARGIN = 1e-3  # logits differing by less than this are a tie under float32 reordering

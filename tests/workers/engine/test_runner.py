@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workers.core.kv_cache import CacheFullError
-from workers.engine.runner import ModelRunner
+from specd.workers.core.kv_cache import CacheFullError
+from specd.workers.engine.runner import ModelRunner
 
 ATOL = 1e-4
 
@@ -69,7 +69,7 @@ def test_extend_variable_counts_per_row(runner):
 
 
 def test_rows_in_any_slot_order_read_the_cache_as_one_view_and_change_nothing(tiny_llama_dir, monkeypatch):
-    from workers.models import layers
+    from specd.workers.models import layers
 
     runner = ModelRunner(tiny_llama_dir, max_slots=5, max_seq_len=64)   # slot 4 stays free for _single
     slots = [runner.allocate() for _ in range(4)]

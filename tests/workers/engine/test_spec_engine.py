@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import FinishReason, NewRequest, SpecParams
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import FinishReason, NewRequest, SpecParams
 
 GREEDY = SamplingParams()
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.static_decode import bucket
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.static_decode import bucket
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [11, 12]]
 
@@ -125,7 +125,7 @@ def test_static_engine_is_token_identical_to_eager(static_workers, target_only_o
 def test_static_drafter_drafts_what_eager_drafts_with_target_hidden_states(boot_hidden_drafter_dir) -> None:
     """The hidden-state drafter on the static (GPU) path gets its features in chains and trees alike: the
     same drafts as eager. Output exactness alone cannot catch a drafter that ignores its features there."""
-    from workers.drafters.model import ModelDrafter
+    from specd.workers.drafters.model import ModelDrafter
 
     gen = torch.Generator().manual_seed(0)
     prompt = [1, 504, 3062, 288, 253, 1176, 314, 2428, 30, 198, 3117, 28, 216, 33, 28]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.engine.step import PAUSE_MAX_STEPS, PAUSE_MIN_BATCH, PAUSE_STEPS, DrafterPause
+from specd.workers.engine.step import PAUSE_MAX_STEPS, PAUSE_MIN_BATCH, PAUSE_STEPS, DrafterPause
 
 
 def _run(pause: DrafterPause, steps: int, batch: int = 16, drafts: bool = False) -> list[bool]:

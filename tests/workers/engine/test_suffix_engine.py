@@ -8,15 +8,15 @@ from collections import Counter
 import pytest
 import torch
 
-from configs import load_config
+from specd.configs import load_config
+from specd.workers.core import verify_chain, verify_tree
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.engine import step as step_module
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 from tests.workers.engine.test_engine_exactness import DEPTH, PROMPT, chi_square_pvalue, exact_joint
-from workers.core import verify_chain, verify_tree
-from workers.core.sampling import SamplingParams
-from workers.engine import step as step_module
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
 
 GREEDY = SamplingParams()
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
@@ -135,8 +135,8 @@ def test_a_lookup_draft_stands_in_where_the_preferred_model_draft_does_not_pay(c
     """The suffix drafter prefers its model everywhere here, and model drafts are priced out (10 s a level):
     the goodput plan drafts nothing for the model and takes each request's lookup draft instead, so the
     repeats still draft from the finished requests; the output stays the target's."""
-    from workers.core.goodput import StepCostModel
-    from workers.drafters.suffix import SuffixDrafter
+    from specd.workers.core.goodput import StepCostModel
+    from specd.workers.drafters.suffix import SuffixDrafter
 
     base = _run(SpecEngine(target), SpecParams(enabled=False))
     cfg.drafter.suffix_with_model = True

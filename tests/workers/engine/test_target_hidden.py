@@ -16,15 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.drafters.model import ModelDrafter
-from workers.engine.draft_worker import DraftWorker
-from workers.engine.runner import ModelRunner
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
-from workers.models.llama import FEATURE_PROJ, FEATURE_STALENESS
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.model import ModelDrafter
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.runner import ModelRunner
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.llama import FEATURE_PROJ, FEATURE_STALENESS
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
 HIDDEN = 64  # tiny models' hidden size (conftest)
@@ -108,7 +108,7 @@ def test_target_returns_the_state_that_predicted_each_token(cfg, target, tiny_ta
     req = NewRequest("h0", PROMPTS[1], SamplingParams(), 8, SpecParams(gamma=3))
     first, hidden = target.start([req], return_hidden=True)
     assert hidden[0].shape == (len(PROMPTS[1]), HIDDEN)
-    from workers.engine.types import Draft
+    from specd.workers.engine.types import Draft
 
     res = target.verify([Draft("h0", [3, 4, 5])], return_hidden=True)[0]
     assert res.hidden.shape == (len(res.new_tokens), HIDDEN)
@@ -159,7 +159,7 @@ def test_commit_leaves_the_cache_a_fresh_drafter_would_build(cfg, target, hidden
     first, hidden = target.start([req], return_hidden=True)
     text, states = PROMPTS[3] + first[0], hidden[0]  # states[j] predicted text[j + 1]
     drafter.add_request("c0", text, hidden=states)
-    from workers.engine.types import Draft
+    from specd.workers.engine.types import Draft
 
     for step in range(6):
         out = drafter.propose(["c0"], [4], [greedy])
@@ -195,7 +195,7 @@ def test_feature_drafter_drafts_real_trees_from_a_fresh_cache(cfg, target, hidde
     first, hidden = target.start([req], return_hidden=True)
     text, states = PROMPTS[1] + first[0], hidden[0]
     drafter.add_request("t0", text, hidden=states)
-    from workers.engine.types import Draft
+    from specd.workers.engine.types import Draft
 
     for step in range(5):
         tree = drafter.propose_tree(["t0"], [3], [2], [greedy])
@@ -235,7 +235,7 @@ def test_steps_that_pause_the_drafter_reach_it_whole(cfg, target, hidden_drafter
     """A batch that drafted nothing pauses the drafter (workers/engine/step.py); the outcomes of the paused
     steps, tokens and the target states that predicted them, reach it together with the next DraftItem (a
     hidden-state drafter checks that their counts agree), and output stays target-only's."""
-    from workers.engine import step as step_module
+    from specd.workers.engine import step as step_module
 
     monkeypatch.setattr(step_module, "PAUSE_MIN_BATCH", 1)
     off = SpecParams(enabled=False)

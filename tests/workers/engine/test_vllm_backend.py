@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.drafters.model import ModelDrafter
-from workers.drafters.ngram import NGramDrafter
-from workers.engine.vllm_engine import align_steps, proposer_settings, topk_lists, vllm_missing
-from workers.engine.vllm_proposer import SpecdProposer, common_prefix
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.model import ModelDrafter
+from specd.workers.drafters.ngram import NGramDrafter
+from specd.workers.engine.vllm_engine import align_steps, proposer_settings, topk_lists, vllm_missing
+from specd.workers.engine.vllm_proposer import SpecdProposer, common_prefix
 
 MAX_LEN = 256
 
@@ -207,7 +207,7 @@ GSM8K = Path(__file__).resolve().parents[3] / "data" / "gsm8k_test.jsonl"
 
 
 def gsm8k_prompts(n: int) -> list[list[int]]:
-    from workers.models.loader import ensure_target_model, load_tokenizer
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
     tokenizer = load_tokenizer(ensure_target_model())
     prompts = []
@@ -224,8 +224,8 @@ def gsm8k_prompts(n: int) -> list[list[int]]:
 def run_vllm(cfg, mode: str, prompts: list[list[int]], n: int, sampled: int = 0):
     """Greedy outputs (and replay records) of every prompt; then, on the same engine, `sampled` prompts at
     T = 0.8 (seeded) to show sampled requests run through the same drafts."""
-    from workers.engine.types import NewRequest
-    from workers.engine.vllm_engine import VllmEngine
+    from specd.workers.engine.types import NewRequest
+    from specd.workers.engine.vllm_engine import VllmEngine
 
     engine = VllmEngine(cfg, speculation=mode, teacher_topk=4 if mode == "specd" else 0)
     try:
@@ -243,7 +243,7 @@ def run_vllm(cfg, mode: str, prompts: list[list[int]], n: int, sampled: int = 0)
 @pytest.mark.slow
 @pytest.mark.skipif(VLLM_MISSING is not None, reason=f"needs the vllm extra ({VLLM_MISSING})")
 def test_vllm_backend_greedy_equals_vllm_greedy_on_gsm8k(monkeypatch):
-    from workers.drafters.model import default_drafter_dir
+    from specd.workers.drafters.model import default_drafter_dir
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     prompts, n = gsm8k_prompts(20), 128

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from configs import load_config
-from workers.core.sampling import SamplingParams
-from workers.drafters.model import ModelDrafter
-from workers.engine.spec_engine import SpecEngine
-from workers.engine.target_worker import TargetWorker
-from workers.engine.types import NewRequest, SpecParams
+from specd.configs import load_config
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.model import ModelDrafter
+from specd.workers.engine.spec_engine import SpecEngine
+from specd.workers.engine.target_worker import TargetWorker
+from specd.workers.engine.types import NewRequest, SpecParams
 
 UNSEEDED = SamplingParams(temperature=1.0)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.models.chat import ChatCodec
+from specd.workers.models.chat import ChatCodec
 
 
 class Tok:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from workers.models.llama import Llama, LlamaConfig
+from specd.workers.models.llama import Llama, LlamaConfig
 
 ATOL = 1e-4
 
@@ -277,7 +277,7 @@ def test_hot_swap_is_in_place(tiny_llama_dir, make_tiny_llama, tmp_path):
 def test_real_smollm2_matches_transformers(target_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from workers.models.loader import load_tokenizer
+    from specd.workers.models.loader import load_tokenizer
 
     tok = load_tokenizer(target_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(target_model_dir, dtype=torch.float32).eval()
