@@ -117,13 +117,17 @@ async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | 
         await parts.trainer.stats.remote()
         for d in parts.drafters:
             await d.watch_versions(parts.store, str(model_dir), SWAP_POLL_S)
-            if version_pin:
-                await d.pin_version(version_pin)
     except Exception:  # the trainer is optional: serving goes on with the drafter it has
         log.exception("online trainer failed to start; serving continues without it")
         parts.drafters = []
         return
     log.info("online trainer up; drafters follow %s", _where(parts.store))
+    if version_pin:
+        try:
+            for d in parts.drafters:
+                await d.pin_version(version_pin)
+        except Exception as exc:  # an unpublished version is refused: the drafters follow CURRENT
+            log.error("drafter.version_pin=%s refused (%s); following CURRENT", version_pin, exc)
 
 
 def _where(store) -> str:
@@ -142,7 +146,11 @@ async def follow_again(parts: OnlineParts, replica: int, model_dir: str,
     d = parts.drafters[replica]
     await d.watch_versions(parts.store, str(model_dir), SWAP_POLL_S)
     if version_pin:
-        await d.pin_version(version_pin)
+        try:
+            await d.pin_version(version_pin)
+        except Exception as exc:  # refused (unpublished, or pruned since it was unpinned)
+            log.error("drafter.version_pin=%s refused (%s); replica %d follows CURRENT", version_pin, exc,
+                      replica)
 
 
 class OnlineMetrics:
@@ -158,6 +166,12 @@ class OnlineMetrics:
                                 ["model"], registry=r)
         self.publishes = Gauge("specd_trainer_publishes", "Versions published by the trainer", registry=r)
         self.rollbacks = Gauge("specd_trainer_rollbacks", "Rollbacks to a parent version", registry=r)
+        self.up = Gauge("specd_trainer_up", "1 while the trainer answers and its last poll worked, else 0",
+                        registry=r)
+        self.failures = Gauge("specd_trainer_failures",
+                              "Failed trainer polls (not Redis) since its process started", registry=r)
+        self.dead = Gauge("specd_trainer_records_dead", "Replay records moved to the dead-letter stream",
+                          registry=r)
         self.swaps = Gauge("specd_drafter_swaps", "Hot-swaps applied by a DraftWorker", ["replica"],
                            registry=r)
         self.rejected = Gauge("specd_drafter_versions_rejected", "Published versions a DraftWorker rejected",
@@ -169,6 +183,9 @@ class OnlineMetrics:
         self.records.set(s.get("records_seen", 0))
         self.publishes.set(s.get("publishes", 0))
         self.rollbacks.set(s.get("rollbacks", 0))
+        self.up.set(1 if s.get("alive", True) and not s.get("error") else 0)
+        self.failures.set(s.get("failures", 0))
+        self.dead.set(s.get("records_dead", 0))
         for model in ("candidate", "serving"):
             g = s.get(f"gate_{model}") or {}
             if g:
@@ -192,6 +209,7 @@ async def poll_online(parts: OnlineParts, metrics: OnlineMetrics) -> None:
         try:
             metrics.set_trainer(await parts.trainer.stats.remote())
         except Exception as exc:  # restarting (or out of restarts): serving goes on without its figures
+            metrics.up.set(0)
             log.warning("trainer stats unavailable: %s", type(exc).__name__)
     for i, d in enumerate(parts.drafters):
         try:

@@ -1,8 +1,13 @@
 """The Redis that holds the replay stream: specd's own redis-server, or the one configured.
 
-With `replay.redis_url` unset (the embedded default), `ManagedRedis` starts redis-server on a free
-loopback port with a generated password, no persistence and its files in a private temporary
-directory, and stops it on exit. With a URL set, `connect` uses that server: its password comes from
+With `replay.redis_url` unset (the embedded default), `ManagedRedis` starts redis-server with a
+generated password, no persistence, no TCP port, and a unix socket in a private temporary directory
+(mode 0700, owned by this user), and stops it on exit. A TCP port would be a race: a port found free is
+released before redis-server binds it, and a local process that took it meanwhile would receive the
+password and every replay record. The socket's directory admits only this user, so only processes of
+this user on this machine reach the server: the router's replay writer and the trainer actor, which
+Ray runs on the same node. A multi-node cluster (trainer on another node) needs an external Redis
+(`replay.redis_url`). With a URL set, `connect` uses that server: its password comes from
 the environment variable `replay.password_env` (never from the command line), and a `rediss://` URL
 takes the TLS options `replay.tls_*`.
 """
@@ -65,15 +70,18 @@ def endpoint_from_config(replay_cfg) -> RedisEndpoint:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (it may be taken before it is bound: for tests and local tools, not for servers
+    that hold secrets)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class ManagedRedis:
-    """A private redis-server on 127.0.0.1: `start()`, `endpoint`, `stop()` (also a context manager).
+    """A private redis-server on a unix socket: `start()`, `endpoint`, `stop()` (also a context manager).
 
-    `port` may be given to restart on the same port (the tests stop and restart it under load)."""
+    A restart (`stop()` then `start()`, or `ensure_running()`) keeps the socket path and password, so
+    clients reconnect by themselves. `port` is for an operator who wants TCP on 127.0.0.1 instead."""
 
     def __init__(self, binary: str = "redis-server", port: int | None = None, password: str | None = None,
                  maxmemory_mb: int = 0, start_timeout_s: float = 10.0):
@@ -87,10 +95,35 @@ class ManagedRedis:
         self.restarts = 0
 
     @property
+    def socket_path(self) -> str | None:
+        """The unix socket the server listens on (None on TCP or before the first start)."""
+        if self.port is not None or self._dir is None:
+            return None
+        return str(Path(self._dir) / "redis.sock")
+
+    @property
     def endpoint(self) -> RedisEndpoint:
-        if self.port is None:
+        if self.port is not None:
+            return RedisEndpoint(url=f"redis://127.0.0.1:{self.port}/0", password=self.password)
+        if self.socket_path is None:
             raise RuntimeError("ManagedRedis is not started")
-        return RedisEndpoint(url=f"redis://127.0.0.1:{self.port}/0", password=self.password)
+        return RedisEndpoint(url=f"unix://{self.socket_path}", password=self.password)   # db 0
+
+    def _private_dir(self) -> str:
+        """This server's directory, created 0700 by this process; the same path again after a stop
+        (unless someone else created it meanwhile: then a new one, and a new socket path)."""
+        if self._dir is not None:
+            try:
+                os.mkdir(self._dir, 0o700)
+            except FileExistsError:
+                st = os.stat(self._dir)
+                if st.st_uid == os.getuid() and (st.st_mode & 0o077) == 0:
+                    return self._dir
+                self._dir = None
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="specd-redis-")   # mode 0700
+        os.chmod(self._dir, 0o700)
+        return self._dir
 
     def start(self) -> ManagedRedis:
         if shutil.which(self.binary) is None:
@@ -98,25 +131,32 @@ class ManagedRedis:
                 f"{self.binary} not found: install it (scripts/install.sh does: apt-get install -y "
                 "redis-server), or set replay.redis_url, or turn replay off with replay.enabled=false"
             )
-        self._dir = self._dir or tempfile.mkdtemp(prefix="specd-redis-")
-        port = self.port or free_port()
-        conf = Path(self._dir) / "redis.conf"
+        directory = self._private_dir()
+        conf = Path(directory) / "redis.conf"
+        if self.port is None:       # no TCP listener at all: the socket in the private directory only
+            listen = ["port 0", f"unixsocket {self.socket_path}", "unixsocketperm 700"]
+        else:
+            listen = ["bind 127.0.0.1", f"port {self.port}"]
         # The password goes into a 0600 config file, not argv, where `ps` would show it to every user.
         lines = [
-            "bind 127.0.0.1", f"port {port}", f"requirepass {self.password}", "protected-mode yes",
-            'save ""', "appendonly no", f"dir {self._dir}", "daemonize no", "loglevel warning",
-            f"logfile {self._dir}/redis.log",
+            *listen, f"requirepass {self.password}", "protected-mode yes",
+            'save ""', "appendonly no", f"dir {directory}", "daemonize no", "loglevel warning",
+            f"logfile {directory}/redis.log",
         ]
         if self.maxmemory_mb:
             lines += [f"maxmemory {self.maxmemory_mb}mb", "maxmemory-policy noeviction"]
-        conf.write_text("\n".join(lines) + "\n")
-        os.chmod(conf, 0o600)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
         self.proc = subprocess.Popen([self.binary, str(conf)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
-        self.port = port
         self._wait_ready()
-        log.info("managed redis-server (pid %d) on 127.0.0.1:%d", self.proc.pid, port)
+        log.info("managed redis-server (pid %d) on %s", self.proc.pid, self.where)
         return self
+
+    @property
+    def where(self) -> str:
+        return f"127.0.0.1:{self.port}" if self.port is not None else f"unix socket {self.socket_path}"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -144,7 +184,7 @@ class ManagedRedis:
         code = self.proc.returncode
         self.start()
         self.restarts += 1
-        log.warning("managed redis-server had exited (%s): restarted on 127.0.0.1:%d", code, self.port)
+        log.warning("managed redis-server had exited (%s): restarted on %s", code, self.where)
         return True
 
     def stop(self, remove_files: bool = True) -> None:
@@ -158,8 +198,8 @@ class ManagedRedis:
                 self.proc.wait()
         self.proc = None
         if remove_files and self._dir:
+            # the path is remembered: a later start() makes it again (0700) and keeps the endpoint
             shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
 
     def __enter__(self) -> ManagedRedis:
         return self.start()

@@ -5,6 +5,15 @@ ReplayWriter; it publishes versions into its own store (trainer.out_dir: its vol
 where the DraftWorkers on every node follow them (drafter_trainer/version_channel.py). `specd train`
 runs the same loop in the foreground against a Redis URL (replay.redis_url, password from
 replay.password_env) until SIGINT/SIGTERM; it needs no volume shared with the DraftWorkers.
+
+Failures of the loop. Redis away: the trainer waits for it (serving goes on without it) and shows the
+error in stats(). Anything else (a bug, a full disk, an unreadable version file) is logged with its
+traceback, counted in stats() (`failures`, `error`; specd_trainer_failures and specd_trainer_up on
+the metrics port) and retried with back-off; FAILURES_BEFORE_RESTART of them in a row end the actor's
+process, so that Ray restarts it (trainer.max_restarts): a fresh actor re-reads its checkpoint and the
+version store, which clears a stuck state, and Ray's restart budget bounds a failure that persists,
+after which the actor stays dead and stats() raises (specd_trainer_up 0). The loop never ends unseen
+while the actor lives on.
 """
 
 from __future__ import annotations
@@ -14,11 +23,71 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specd.cluster.redis_server import RedisEndpoint, endpoint_from_config
 
 log = logging.getLogger(__name__)
+FAILURES_BEFORE_RESTART = 3     # non-Redis failures in a row that end the actor (Ray restarts it)
+RESTART_EXIT_CODE = 70          # the process's exit status then (EX_SOFTWARE)
+
+
+@dataclass
+class LoopHealth:
+    """What the loop has been through, for stats() and the metrics."""
+
+    error: str | None = None        # the last failure; None once a poll succeeds
+    redis_errors: int = 0           # polls that failed on Redis
+    failures: int = 0               # polls that failed otherwise, since this process started
+    consecutive: int = 0            # non-Redis failures in a row
+
+
+def exit_for_restart(reason: str) -> None:
+    """End this process so that Ray restarts the actor (an exit Ray sees as intended would not)."""
+    log.critical("trainer: %d failures in a row, exiting for a restart: %s", FAILURES_BEFORE_RESTART, reason)
+    logging.shutdown()
+    os._exit(RESTART_EXIT_CODE)
+
+
+def poll_once(trainer) -> None:
+    """One round: versions Redis missed while away (or lost, coming back empty) go out again, then a
+    poll of the stream. A store without a Redis mirror has nothing to send."""
+    sync = getattr(trainer.store, "sync_pending", None)
+    if sync is not None:
+        sync()
+    trainer.poll(block_ms=500)
+
+
+def run_loop(trainer, stop: threading.Event, health: LoopHealth,
+             die: Callable[[str], None] = exit_for_restart,
+             retry_s: float = 1.0) -> None:
+    """trainer.poll() until `stop` is set; failures handled as the module's docstring says."""
+    import redis
+
+    while not stop.is_set():
+        try:
+            poll_once(trainer)
+        except redis.RedisError as exc:   # Redis away: serving goes on, the trainer waits for it
+            if health.error is None:
+                log.warning("trainer: Redis unavailable (%s); retrying", type(exc).__name__)
+            health.redis_errors += 1
+            health.error = f"{type(exc).__name__}: {exc}"
+            stop.wait(retry_s)
+            continue
+        except Exception as exc:  # every failure is counted and shown, then retried or restarted
+            health.failures += 1
+            health.consecutive += 1
+            health.error = f"{type(exc).__name__}: {exc}"
+            log.exception("trainer: poll failed (%d in a row)", health.consecutive)
+            if health.consecutive >= FAILURES_BEFORE_RESTART:
+                die(health.error)
+                return
+            stop.wait(retry_s * 2 ** (health.consecutive - 1))
+            continue
+        health.error = None
+        health.consecutive = 0
 
 
 def store_root(cfg) -> Path:
@@ -94,27 +163,18 @@ class TrainerActor:
         lower_priority(cfg.trainer)
         self.trainer = build_trainer(cfg, endpoint)
         self._stop = threading.Event()
-        self._error: str | None = None
-        self._thread = threading.Thread(target=self._loop, name="specd-trainer", daemon=True)
+        self.health = LoopHealth()
+        self._thread = threading.Thread(target=run_loop, args=(self.trainer, self._stop, self.health),
+                                        name="specd-trainer", daemon=True)
         self._thread.start()
 
-    def _loop(self) -> None:
-        import redis
-
-        while not self._stop.is_set():
-            try:
-                self.trainer.store.sync_pending()
-                self.trainer.poll(block_ms=500)
-            except redis.RedisError as exc:   # Redis away: serving goes on, the trainer waits for it
-                if self._error is None:
-                    log.warning("trainer: Redis unavailable (%s); retrying", type(exc).__name__)
-                self._error = f"{type(exc).__name__}: {exc}"
-                self._stop.wait(1.0)
-                continue
-            self._error = None
-
     def stats(self) -> dict:
-        return {**self.trainer.stats.as_dict(), "error": self._error, "store": str(self.trainer.store.root)}
+        """The trainer's figures, its loop's health, and whether Ray restarted this actor."""
+        import ray
+
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        return {**self.trainer.stats.as_dict(), **asdict(self.health), "restarted": restarted,
+                "pid": os.getpid(), "alive": self._thread.is_alive(), "store": str(self.trainer.store.root)}
 
     def stop(self) -> None:
         self._stop.set()
@@ -152,12 +212,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"{trainer.serving_version}, store {trainer.store.root}", flush=True)
     updates = 0
     while not stop.is_set():
-        trainer.poll(block_ms=500)
+        poll_once(trainer)
         s = trainer.stats
         if s.updates != updates:
             updates = s.updates
-            print(f"update {s.updates}: records_seen={s.records_seen} loss={s.last_loss:.4f} "
-                  f"serving={s.serving_version} publishes={s.publishes} rollbacks={s.rollbacks}", flush=True)
+            print(f"update {s.updates}: records_seen={s.records_seen} optimizer_steps={s.optimizer_steps} "
+                  f"loss={s.last_loss:.4f} serving={s.serving_version} publishes={s.publishes} "
+                  f"rollbacks={s.rollbacks} resumed={s.resumed}", flush=True)
     return 0
 
 

@@ -255,8 +255,9 @@ class ReplayConfig:
     """Records of served requests in a Redis Stream, for the online trainer (cluster/replay_writer.py)."""
 
     enabled: bool = True                # record served steps for the online trainer
-    # None: specd starts its own redis-server on a free loopback port with a generated password and
-    # stops it on exit (cluster/redis_server.py). Else redis:// or rediss:// (TLS) URL of a server.
+    # None: specd starts its own redis-server on a unix socket in a private directory (no TCP port) with
+    # a generated password and stops it on exit (cluster/redis_server.py); one node only. Else a
+    # redis://, rediss:// (TLS) or unix:// URL of a server.
     redis_url: str | None = None
     password_env: str = "SPECD_REDIS_PASSWORD"   # redis_url's password comes from this env variable
     tls_ca_certs: str | None = None     # rediss://: CA bundle, and client cert/key for mutual TLS

@@ -2,9 +2,14 @@
 
 A trainer reads with XREADGROUP as consumer `consumer` of group `group`. Entries it has read but not
 acknowledged (XACK) stay in its pending list; after a restart it first reads its own pending entries
-(id 0) and only then new ones (id >), so nothing it had not finished with is lost. It acknowledges an
-entry only once the entry's record is in its training state (after an update round), which makes the
-delivery at least once: a crash between reading and acknowledging replays the entry.
+(id 0) and only then new ones (id >), so nothing it had not finished with is lost. The trainer
+acknowledges an entry it trains on only once the update it fed is durable (checkpointed or published,
+drafter_trainer/online.py), and at once one it will not train on; the delivery is at least once: a
+crash between reading and acknowledging replays the entry.
+
+An entry the trainer cannot use (it fails decode_record's checks) is moved to the dead-letter stream
+`<stream>:dead` with its reason and acknowledged in one transaction: it is never read again, and an
+operator can inspect it (XRANGE <stream>:dead - +).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ import redis
 
 log = logging.getLogger(__name__)
 RECORD_FIELD = b"r"
+REASON_FIELD = b"reason"
+ENTRY_FIELD = b"entry"
+DEAD_SUFFIX = ":dead"
+DEAD_MAXLEN = 10_000            # dead letters kept (approximately, MAXLEN ~): the newest
 
 
 class ReplaySource:
@@ -23,6 +32,7 @@ class ReplaySource:
         self.stream = stream
         self.group = group
         self.consumer = consumer
+        self.dead_stream = stream + DEAD_SUFFIX
         self._pending_cursor: str | None = "0"   # None once this consumer's pending list is re-read
 
     def ensure_group(self) -> None:
@@ -65,10 +75,22 @@ class ReplaySource:
                 out.append((eid, data))
         return out
 
+    def rewind(self) -> None:
+        """Read this consumer's pending list again from its start (after a round that failed half-way)."""
+        self._pending_cursor = "0"
+
     def ack(self, entry_ids: list[str]) -> int:
         if not entry_ids:
             return 0
         return int(self.client.xack(self.stream, self.group, *entry_ids))
+
+    def dead_letter(self, entry_id: str, data: bytes, reason: str) -> None:
+        """Move one entry to the dead-letter stream and acknowledge it, atomically (MULTI/EXEC)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.dead_stream, {RECORD_FIELD: data, REASON_FIELD: reason[:1000], ENTRY_FIELD: entry_id},
+                  maxlen=DEAD_MAXLEN, approximate=True)
+        pipe.xack(self.stream, self.group, entry_id)
+        pipe.execute()
 
     def pending(self) -> int:
         """Entries of the group read but not acknowledged."""

@@ -4,6 +4,12 @@ The serving side builds a record per finished request with `RecordBuilder` (one 
 speculative step, `finish()` at the end); the trainer decodes with `decode_record` and reads tensors
 with `tensor_to_torch`. Tensors travel as raw little-endian bytes with dtype and shape; nothing here
 unpickles anything.
+
+Records come from a Redis stream anyone holding its password can write to, so `decode_record` checks
+everything the trainer later indexes with: every token id within the vocabulary, every step inside the
+record, tensor dtypes known and shapes bounded (element counts computed with Python ints, so a shape
+whose product overflows 64 bits cannot pass the size check). A record that passes can be labelled and
+trained on without an index error; one that does not raises ReplayFormatError with the reason.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ _TORCH_DTYPES = {
 _NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 # bfloat16 has no numpy dtype: its bytes travel as int16.
 _NUMPY = {"float32": "<f4", "float16": "<f2", "bfloat16": "<i2", "int32": "<i4", "int64": "<i8"}
+# Bounds of one record: far above any served request (max_seq_len is a few thousand tokens), far below
+# what would exhaust the trainer's memory.
+MAX_TOKENS = 1 << 20            # prompt + output tokens, and steps
+MAX_DRAFTED = 1 << 12           # drafted tokens (tree nodes) of one step
+MAX_TENSOR_DIMS = 4
+MAX_TENSOR_ELEMENTS = 1 << 26
+MAX_TEXT = 1024                 # request id, domain, drafter version names
 
 
 class ReplayFormatError(ValueError):
@@ -54,12 +67,28 @@ def tensor_to_torch(msg: Tensor) -> torch.Tensor:
     dtype = _TORCH_DTYPES[msg.dtype]
     np_dtype = np.dtype(_NUMPY[msg.dtype])
     shape = tuple(int(s) for s in msg.shape)
-    count = int(np.prod(shape)) if shape else 1
-    if count * np_dtype.itemsize != len(msg.data) or any(s < 0 for s in shape):
+    count = element_count(shape)
+    if count * np_dtype.itemsize != len(msg.data):
         raise ReplayFormatError(f"tensor of {msg.dtype} {shape} cannot hold {len(msg.data)} bytes")
     arr = np.frombuffer(msg.data, dtype=np_dtype).astype(np_dtype.newbyteorder("="))
     out = torch.from_numpy(arr.copy()).reshape(shape)
     return out.view(torch.bfloat16) if dtype == torch.bfloat16 else out
+
+
+def element_count(shape: Sequence[int]) -> int:
+    """Elements of a tensor of `shape`, in Python ints (no 64-bit wrap-around); raises ReplayFormatError
+    for a negative dimension or more than MAX_TENSOR_DIMS / MAX_TENSOR_ELEMENTS."""
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise ReplayFormatError(f"tensor of {len(shape)} dimensions (at most {MAX_TENSOR_DIMS})")
+    count = 1
+    for dim in shape:
+        dim = int(dim)
+        if dim < 0 or dim > MAX_TENSOR_ELEMENTS:
+            raise ReplayFormatError(f"tensor dimension {dim} out of range [0, {MAX_TENSOR_ELEMENTS}]")
+        count *= dim
+        if count > MAX_TENSOR_ELEMENTS:
+            raise ReplayFormatError(f"tensor shape {list(shape)} exceeds {MAX_TENSOR_ELEMENTS} elements")
+    return count
 
 
 class RecordBuilder:
@@ -110,8 +139,9 @@ def encode_record(record: ReplayRecord) -> bytes:
     return record.SerializeToString()
 
 
-def decode_record(data: bytes) -> ReplayRecord:
-    """Parse and check a record; raises ReplayFormatError for bytes of another format or shape."""
+def decode_record(data: bytes, vocab_size: int | None = None) -> ReplayRecord:
+    """Parse and check a record; raises ReplayFormatError for bytes of another format, shape or
+    vocabulary. vocab_size: the target's; token ids must lie in [0, vocab_size) (None: only >= 0)."""
     record = ReplayRecord()
     try:
         record.ParseFromString(data)
@@ -119,10 +149,52 @@ def decode_record(data: bytes) -> ReplayRecord:
         raise ReplayFormatError(f"not a replay record: {exc}") from exc
     if record.format != REPLAY_FORMAT:
         raise ReplayFormatError(f"replay record format {record.format}, this code reads {REPLAY_FORMAT}")
+    name = record.request_id[:64]
     n_out = len(record.output_token_ids)
+    if len(record.prompt_token_ids) + n_out > MAX_TOKENS or len(record.steps) > MAX_TOKENS:
+        raise ReplayFormatError(f"record {name}: more than {MAX_TOKENS} tokens or steps")
+    texts = [record.request_id, record.domain, record.target_checksum, *record.drafter_versions]
+    if any(len(t) > MAX_TEXT for t in texts) or len(record.drafter_versions) > MAX_TOKENS:
+        raise ReplayFormatError(f"record {name}: a text field is longer than {MAX_TEXT}")
+    _check_ids(name, "prompt", record.prompt_token_ids, vocab_size)
+    _check_ids(name, "output", record.output_token_ids, vocab_size)
     for step in record.steps:
         if step.output_offset > n_out or step.drafter_version >= max(1, len(record.drafter_versions)):
-            raise ReplayFormatError(f"record {record.request_id}: step points outside the record")
+            raise ReplayFormatError(f"record {name}: step points outside the record")
+        if len(step.drafted) > MAX_DRAFTED:
+            raise ReplayFormatError(f"record {name}: a step drafted more than {MAX_DRAFTED} tokens")
         if step.accepted > len(step.drafted):
-            raise ReplayFormatError(f"record {record.request_id}: accepted > drafted")
+            raise ReplayFormatError(f"record {name}: accepted > drafted")
+        if step.parents and (len(step.parents) != len(step.drafted)
+                             or any(p < 0 or p > len(step.drafted) for p in step.parents)):
+            raise ReplayFormatError(f"record {name}: tree parents outside the step's drafts")
+        _check_ids(name, "drafted", step.drafted, vocab_size)
+    if record.HasField("teacher"):
+        _check_teacher(name, record.teacher, n_out, vocab_size)
     return record
+
+
+def _check_ids(name: str, what: str, ids: Sequence[int], vocab_size: int | None) -> None:
+    if not ids:
+        return
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+        raise ReplayFormatError(f"record {name}: {what} token id {lo if lo < 0 else hi} outside the "
+                                f"vocabulary [0, {vocab_size if vocab_size is not None else 'inf'})")
+
+
+def _check_teacher(name: str, teacher: TeacherTopK, n_out: int, vocab_size: int | None) -> None:
+    """The target's top-k: ids [n, k] of an integer dtype within the vocabulary, logprobs [n, k] of a
+    float dtype without NaN or +inf, n at most the output positions from first_output_position on."""
+    if teacher.ids.dtype not in ("int32", "int64") or teacher.logprobs.dtype not in ("float32", "float16",
+                                                                                     "bfloat16"):
+        raise ReplayFormatError(f"record {name}: teacher dtypes {teacher.ids.dtype}/{teacher.logprobs.dtype}")
+    ids, lps = tensor_to_torch(teacher.ids), tensor_to_torch(teacher.logprobs)
+    if ids.dim() != 2 or tuple(ids.shape) != tuple(lps.shape):
+        raise ReplayFormatError(f"record {name}: teacher shapes {list(ids.shape)} and {list(lps.shape)}")
+    if teacher.first_output_position + ids.shape[0] > n_out:
+        raise ReplayFormatError(f"record {name}: teacher rows beyond the output")
+    if ids.numel():
+        _check_ids(name, "teacher", [int(ids.min()), int(ids.max())], vocab_size)
+        if bool(torch.isnan(lps).any()) or bool((lps.float() == float("inf")).any()):
+            raise ReplayFormatError(f"record {name}: teacher logprobs hold NaN or +inf")

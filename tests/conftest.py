@@ -1,7 +1,9 @@
-"""Session fixtures shared by all tests: the real target model directory and a tiny random Llama.
+"""Session fixtures shared by all tests: the real target model directory, the bootstrapped drafters
+and a tiny random Llama; and the suite's plugin (tests/ci_required.py): tests using the real model
+or Ray are marked `slow`, and in CI (CI set) a skipped `ci_required` test fails.
 
-The real-model fixture is deliberately not marked `slow`: the conversion runs once (~30 s) and is
-cached on disk, and the tests that use it are kept few and short so that CI runs them.
+The drafter fixtures build what is missing from the cache (~/.cache/specd) once, so a test that
+needs a drafter runs on a fresh machine whatever ran before it (tests/e2e runs before tests/workers).
 """
 
 from __future__ import annotations
@@ -10,6 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.ci_required import (  # noqa: F401 (pytest hooks: found by name in this conftest)
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_runtest_makereport,
+)
 
 # Two cores shared by everything on this machine; more threads only add contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -60,3 +68,51 @@ def target_model_dir() -> Path:
         return ensure_target_model()
     except FileNotFoundError as e:  # package missing and nothing cached yet
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def real_target_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct (de-quantized once, then cached on disk)."""
+    from specd.workers.models.loader import ensure_target_model
+
+    return ensure_target_model()
+
+
+@pytest.fixture(scope="session")
+def boot_drafter_dir(real_target_dir) -> Path:
+    """The bootstrapped default drafter if it exists; else a quick one made once for the tests."""
+    from specd.drafter_trainer.bootstrap import bootstrap_drafter, cache_root
+    from specd.workers.drafters.model import default_drafter_dir
+
+    if (default_drafter_dir() / "specd_drafter.json").exists():
+        return default_drafter_dir()
+    quick = cache_root() / "drafters" / "boot-quick-tests"
+    if (quick / "specd_drafter.json").exists():
+        return quick
+    return bootstrap_drafter(_quick_tests_config(real_target_dir, quick))
+
+
+def _quick_tests_config(target_dir, out_dir):
+    """The quick preset on the benchmark domains (SOURCES), not its general chat turns: the engine tests
+    draft GSM8K and HumanEval prompts and need a drafter that accepts some of them."""
+    from specd.drafter_trainer.bootstrap import BootstrapConfig
+    from specd.workers.prompts import SOURCES
+
+    return BootstrapConfig.quick(target_dir=str(target_dir), out_dir=str(out_dir), sources=SOURCES)
+
+
+@pytest.fixture(scope="session")
+def boot_hidden_drafter_dir(real_target_dir, boot_drafter_dir) -> Path:
+    """The bootstrapped drafter that reads target hidden states (the default); else a quick one."""
+    from specd.drafter_trainer.bootstrap import BootstrapConfig
+    from specd.drafter_trainer.hidden_stage import bootstrap_hidden_drafter
+    from specd.workers.drafters.model import default_drafter_dir
+
+    if (default_drafter_dir(target_hidden=True) / "specd_drafter.json").exists():
+        return default_drafter_dir(target_hidden=True)
+    cfg = _quick_tests_config(real_target_dir, boot_drafter_dir)
+    if (cfg.resolved_hidden_out_dir() / "specd_drafter.json").exists():
+        return cfg.resolved_hidden_out_dir()
+    if boot_drafter_dir == default_drafter_dir():
+        cfg = BootstrapConfig(target_dir=str(real_target_dir))  # the full preset's cached teacher data
+    return bootstrap_hidden_drafter(cfg, boot_drafter_dir)

@@ -18,7 +18,8 @@ import pytest
 from specd.cluster.client import SpecdClient
 from specd.cluster.redis_server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# README's reliability table says these run in CI: with CI set, a skip here fails the suite
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.ci_required]
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -41,22 +42,12 @@ def _streamed(client: SpecdClient, max_new_tokens: int, prompt: str) -> list[int
     return ids
 
 
-def hidden_drafter_dir():
-    """The bootstrapped hidden-state drafter, or the quick one the test set-up builds once."""
-    from specd.drafter_trainer.teacher import cache_root
-    from specd.workers.drafters.model import default_drafter_dir
-
-    quick = cache_root() / "drafters" / "boot-quick-tests-hidden"
-    for path in (default_drafter_dir(target_hidden=True), quick):
-        if (path / "specd_drafter.json").exists():
-            return path
-    pytest.skip("no hidden-state drafter in the cache (tests/workers/engine builds boot-quick-tests-hidden)")
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    boot_hidden_drafter_dir = hidden_drafter_dir()
-    ray = pytest.importorskip("ray")
+def server(tmp_path_factory, boot_hidden_drafter_dir):
+    """boot_hidden_drafter_dir (tests/conftest.py) builds the quick hidden-state drafter when the cache
+    has none, so this runs on a fresh machine too."""
+    import ray
+
     from specd.cluster.serve import serve
     from specd.configs import load_config
 

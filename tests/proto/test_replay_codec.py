@@ -72,3 +72,50 @@ def test_garbage_and_inconsistent_records_are_rejected() -> None:
     bad.shape[:] = [5]
     with pytest.raises(ReplayFormatError, match="cannot hold"):
         tensor_to_torch(bad)
+
+
+def _hostile(**change):
+    """A valid record over vocab 100, then `change` applied: fields set on the record or its first step."""
+    b = RecordBuilder("r", [5, 6])
+    b.first_tokens([7])
+    b.step([8, 9], accepted=1, bonus=False, emitted=[8, 10], drafter_version="v1")
+    b.teacher_topk(0, torch.tensor([[7, 1], [8, 2], [10, 3]]), torch.full((3, 2), -1.0))
+    rec = b.finish()
+    for fn in change.values():
+        fn(rec)
+    return encode_record(rec)
+
+
+def _set_shape(tensor, shape):
+    tensor.shape[:] = shape
+
+
+@pytest.mark.parametrize("name,change,match", [
+    ("negative prompt id", lambda r: r.prompt_token_ids.append(-3), "prompt token id -3"),
+    ("output id beyond vocab", lambda r: r.output_token_ids.append(100), "output token id 100"),
+    ("drafted id beyond vocab", lambda r: r.steps[0].drafted.append(1 << 30), "drafted token id"),
+    ("tree parent outside the step", lambda r: r.steps[0].parents.extend([0, 7]), "parents"),
+    ("teacher id beyond vocab", lambda r: r.teacher.ids.CopyFrom(tensor_from_torch(
+        torch.tensor([[7, 1], [8, 2], [10, 300]], dtype=torch.int32))), "teacher token id 300"),
+    ("teacher NaN", lambda r: r.teacher.logprobs.CopyFrom(tensor_from_torch(
+        torch.tensor([[0.0, float("nan")]] * 3))), "NaN"),
+    ("teacher float ids", lambda r: r.teacher.ids.CopyFrom(tensor_from_torch(torch.zeros(3, 2))), "dtypes"),
+    ("unknown dtype", lambda r: setattr(r.teacher.ids, "dtype", "complex128"), "dtype"),
+    ("teacher rows beyond output", lambda r: setattr(r.teacher, "first_output_position", 2), "beyond"),
+    # 2^32 * 2^32 wraps to 0 in 64-bit arithmetic: an empty payload passed the old size check
+    ("overflowing shape", lambda r: (_set_shape(r.teacher.ids, [1 << 32, 1 << 32]),
+                                     setattr(r.teacher.ids, "data", b"")), "dimension"),
+    ("overflowing product", lambda r: (_set_shape(r.teacher.ids, [1 << 20, 1 << 20, 0]),
+                                       setattr(r.teacher.ids, "data", b"")), "exceeds"),
+    ("too many dims", lambda r: _set_shape(r.teacher.ids, [1] * 9), "dimensions"),
+])
+def test_hostile_records_are_rejected_with_the_reason(name, change, match) -> None:
+    assert decode_record(_hostile(), vocab_size=100).request_id == "r"
+    with pytest.raises(ReplayFormatError, match=match):
+        decode_record(_hostile(x=change), vocab_size=100)
+
+
+def test_negative_ids_are_rejected_without_a_vocab_size() -> None:
+    with pytest.raises(ReplayFormatError, match="-1"):
+        decode_record(_hostile(x=lambda r: r.steps[0].drafted.append(-1)))
+    assert decode_record(_hostile(x=lambda r: r.output_token_ids.append(10**6))).request_id == "r"

@@ -36,6 +36,7 @@ from specd.workers.drafters.versions import (
     read_current,
     sha256_file,
     version_dir,
+    write_pin,
 )
 
 CONFIG_FILE = "config.json"
@@ -95,7 +96,10 @@ def redis_current(client: redis.Redis, prefix: str) -> str | None:
 
 
 def prune(client: redis.Redis, prefix: str, keep: int, protect: set[str]) -> list[str]:
-    """Delete all but the newest `keep` versions (never one in `protect`); returns the deleted ones."""
+    """Delete all but the newest `keep` versions (never one in `protect`, nor the pinned one); returns the
+    deleted ones."""
+    pinned = client.get(_key(prefix, "pin"))
+    protect = protect | ({pinned.decode()} if pinned else set())
     names = [v.decode() for v in client.zrange(_key(prefix, "seq"), 0, -1)]
     gone = [v for v in names[: max(0, len(names) - keep)] if v not in protect]
     if gone:
@@ -149,6 +153,10 @@ class DirVersionSource:
     def version_dir(self, version: str) -> Path:
         return version_dir(self.root, version)
 
+    def pin(self, version: str | None) -> None:
+        """Record drafter.version_pin in the store (never pruned); VersionError for an unpublished one."""
+        write_pin(self.root, version)
+
     def __str__(self) -> str:
         return str(self.root)
 
@@ -175,6 +183,18 @@ class RedisVersionSource:
     def version_dir(self, version: str) -> Path:
         try:
             return fetch_version(self.client, self.prefix, version, self.cache_root)
+        except redis.RedisError as exc:
+            raise SourceUnavailable(f"Redis unavailable: {exc}") from exc
+
+    def pin(self, version: str | None) -> None:
+        """Record drafter.version_pin in Redis, where the trainer's pruning spares it; VersionError for a
+        version Redis does not hold."""
+        try:
+            if version is None:
+                self.client.delete(_key(self.prefix, "pin"))
+                return
+            self.version_dir(version)
+            self.client.set(_key(self.prefix, "pin"), version)
         except redis.RedisError as exc:
             raise SourceUnavailable(f"Redis unavailable: {exc}") from exc
 

@@ -3,6 +3,7 @@
 Layout of a version store (written by drafter_trainer/publish.py, atomically):
 
     <root>/CURRENT                    the version serving should use (one line)
+    <root>/PINNED                     the version drafter.version_pin serves, if any (never pruned)
     <root>/versions/<version>/
         model.safetensors             the trained weights only; the embedding is the target's
         config.json                   the drafter's config
@@ -28,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 CURRENT_FILE = "CURRENT"
+PIN_FILE = "PINNED"
 VERSIONS_DIR = "versions"
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "specd_drafter.json"
@@ -76,6 +78,49 @@ def write_current(root: str | Path, version: str) -> None:
     tmp = root / f".{CURRENT_FILE}.tmp-{os.getpid()}"
     tmp.write_text(version + "\n")
     os.replace(tmp, root / CURRENT_FILE)
+
+
+def read_pin(root: str | Path) -> str | None:
+    """The pinned version (drafter.version_pin) recorded in the store, if any."""
+    try:
+        return (Path(root) / PIN_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def check_version_exists(root: str | Path, version: str) -> None:
+    """Raise VersionError unless `version` is a published version of the store at `root` (what pinning
+    one requires; drafter.version_pin's validation can call this)."""
+    vdir = version_dir(root, version)
+    if not (vdir / META_FILE).is_file():
+        raise VersionError(f"version {version!r} is not published in {root}")
+
+
+def write_pin(root: str | Path, version: str | None) -> None:
+    """Record the pinned version in the store (None: unpin), so that the trainer never prunes it; raises
+    VersionError for a version that is not published. Written durably (fsync, rename, fsync)."""
+    root = Path(root)
+    path = root / PIN_FILE
+    if version is None:
+        path.unlink(missing_ok=True)
+        return
+    check_version_exists(root, version)
+    tmp = root / f".{PIN_FILE}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    # The trainer prunes without a lock: had it removed the version between the check and the write,
+    # the pin must not stand.
+    if not version_dir(root, version).is_dir():
+        path.unlink(missing_ok=True)
+        raise VersionError(f"version {version!r} was pruned while being pinned")
 
 
 def version_dir(root: str | Path, version: str) -> Path:

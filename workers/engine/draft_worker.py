@@ -250,6 +250,7 @@ class DraftWorker:
         verified in the background and applied between steps, like any swap; returns the serving one."""
         if self._swapper is None:
             raise ValueError("this drafter follows no version store (online training is off)")
+        self._swapper.source.pin(version or None)   # VersionError for an unpublished version
         self._swapper.pin = version or None
         return self.drafter.weights_drafter.version
 

@@ -12,7 +12,7 @@ import torch
 from specd.configs import load_config
 from specd.drafter_trainer.drafter_format import load_drafter
 from specd.drafter_trainer.publish import VersionStore
-from specd.workers.drafters.versions import target_checksum
+from specd.workers.drafters.versions import VersionError, read_pin, target_checksum
 from specd.workers.engine.draft_worker import DEFAULT_PRIOR, DraftWorker
 from tests.drafter_trainer.online_helpers import make_tiny_drafter
 
@@ -95,6 +95,9 @@ def test_a_pinned_version_wins_over_current_until_unpinned(tmp_path, tiny_llama_
     second = _publish(store, token_dir, tiny_llama_dir)
     store_current(store, second)
     worker.pin_version(first)               # drafter.version_pin (specd admin set): first, not CURRENT
+    with pytest.raises(VersionError, match="not published"):
+        worker.pin_version("online-9999-00000000")      # refused: the pin stays where it was
+    assert swapper.pin == first and read_pin(store.root) == first
     assert swapper.check() == first
     worker.propose([])                      # applied between steps like any swap
     assert worker.swap_stats()["version"] == first and swapper.check() is None

@@ -1,0 +1,47 @@
+"""pytest plugin: in CI a skipped `ci_required` test is a failure, and tests that need the real model or
+Ray are marked `slow`.
+
+A test that README says runs in CI but skips there (a fixture found nothing in a fresh machine's cache,
+a tool is missing) would let CI pass without it. With the environment variable CI set (GitHub
+Actions, GitLab and most CI systems set CI=true), the skip of a test marked `ci_required` is reported
+as a failure with the skip's reason. Outside CI a skip stays a skip.
+
+Tests that use the real model, the bootstrapped drafters or a Ray session (by their fixtures) are
+marked `slow`, so `pytest -m "not slow"` is the quick loop; modules that start subprocesses or Ray
+themselves mark themselves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SLOW_FIXTURES = frozenset({"target_model_dir", "real_target_dir", "boot_drafter_dir",
+                           "boot_hidden_drafter_dir", "ray_session"})
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "ci_required: must run in CI; with CI set a skip is a failure")
+    config.addinivalue_line("markers", "slow: loads the real model, starts Ray or subprocesses, or runs long")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and in_ci() and item.get_closest_marker("ci_required") is not None \
+            and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} is ci_required but was skipped in CI: {reason}"

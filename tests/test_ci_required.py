@@ -1,0 +1,55 @@
+"""The suite's CI rule (tests/ci_required.py), run through a real pytest: with CI set, a skipped
+`ci_required` test fails the run; without CI it is a skip; other skips stay skips either way; tests
+that use the real model are marked slow."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = '''
+import pytest
+
+@pytest.mark.ci_required
+def test_needs_a_fixture_that_is_missing():
+    pytest.skip("no drafter in the cache")
+
+def test_optional():
+    pytest.skip("optional tool missing")
+
+@pytest.fixture
+def target_model_dir():
+    return "x"
+
+def test_real_model(target_model_dir):
+    pass
+'''
+
+
+def _pytest(tmp_path: Path, ci: str | None, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PYTHONPATH"] = str(REPO)
+    if ci is not None:
+        env["CI"] = ci
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.ci_required", "-q", "-rfs",
+                           "-p", "no:cacheprovider", *args, str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_ci_required_skip_fails_in_ci_only(tmp_path) -> None:
+    ci = _pytest(tmp_path, "true")
+    assert ci.returncode == 1, ci.stdout
+    assert "1 failed, 1 passed, 1 skipped" in ci.stdout
+    assert "is ci_required but was skipped in CI" in ci.stdout and "no drafter in the cache" in ci.stdout
+    local = _pytest(tmp_path, None)
+    assert local.returncode == 0 and "1 passed, 2 skipped" in local.stdout, local.stdout
+    assert _pytest(tmp_path, "false").returncode == 0
+
+
+def test_tests_of_the_real_model_are_marked_slow(tmp_path) -> None:
+    quick = _pytest(tmp_path, None, "-m", "not slow")
+    assert "2 skipped, 1 deselected" in quick.stdout, quick.stdout
