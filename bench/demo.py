@@ -54,7 +54,7 @@ def run_demo(overrides: list[str], max_new_tokens: int, temperature: float) -> i
         print(codec.decode(s.output).strip())
         st = s.stats
         print(f"[drafted {st.drafted}, accepted {st.accepted}, recovered {st.recovered}, bonus {st.bonus}, "
-              f"α {st.acceptance_rate:.2f}, mean accepted length {st.mean_accepted_length:.2f}]")
+              f"α {st.acceptance_rate:.2f}, tokens per step {st.tokens_per_step:.2f}]")
         if temperature == 0:
             print("identical to target-only greedy:", b.output == s.output)
     print("-" * 72)

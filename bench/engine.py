@@ -341,8 +341,8 @@ NOTES = (
     "ms/tok p50 = median over requests of latency / generated tokens (--continuous: latency from admission, "
     "not from the queue's start); for transformers and vLLM a group's requests finish together, so their "
     "latency is the group's wall time.",
-    "α = accepted / drafted, MAL = (accepted + recovered + bonus) / steps; vLLM's from its spec-decode "
-    "counters. RSS = peak of the system's own child process (vLLM: its process tree, sampled).",
+    "α = accepted / drafted, tokens/step = (accepted + recovered + bonus) / steps; vLLM's from its "
+    "spec-decode counters. RSS = peak of the system's own child process (vLLM: its process tree, sampled).",
     "speed-ups divide tokens/s by target-only's and vLLM autoregressive's for the same cell, same run; "
     "paired (--paired) divides by target-only run in the same process on the same groups, interleaved "
     "(by group, ABBA; with --lockstep step by step, both batches on one engine, each timed on its own "

@@ -50,7 +50,7 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "ms_per_token_p50": statistics.median(per_request) if per_request else None,
         # No speculation, no acceptance: None rather than a misleading 0.
         "acceptance_rate": (cell["accepted"] / drafted) if drafted else None,
-        "mean_accepted_length": (cell["emitted"] / steps) if steps else None,
+        "tokens_per_step": (cell["emitted"] / steps) if steps else None,
         "peak_rss_mb": peak_rss_mb,
         "load_s": load_s,
         "loadavg_1m_max": max(cell["loadavg"]) if cell.get("loadavg") else None,
@@ -100,7 +100,7 @@ def paired_interval(groups: list[list[float]], level: float = 0.95) -> list[floa
 # Timings of one system's rounds (--rounds: fresh processes) that merge_rounds replaces by their median.
 MEDIAN_FIELDS = ("tokens_per_s", "ms_per_token_p50", "speedup_vs_target_only_paired",
                  "paired_base_tokens_per_s", "peak_rss_mb", "load_s", "acceptance_rate",
-                 "mean_accepted_length")
+                 "tokens_per_step")
 
 
 def merge_rounds(rounds: list[Row]) -> Row:
@@ -173,7 +173,7 @@ TABLE_COLUMNS = (
     ("tok/s", "tokens_per_s", ".1f", ""),
     ("ms/tok p50", "ms_per_token_p50", ".1f", ""),
     ("α", "acceptance_rate", ".2f", ""),
-    ("MAL", "mean_accepted_length", ".2f", ""),
+    ("tokens/step", "tokens_per_step", ".2f", ""),
     ("RSS MB", "peak_rss_mb", ".0f", ""),
     ("vs target-only", "speedup_vs_target_only", ".2f", "x"),
     ("paired", "speedup_vs_target_only_paired", ".3f", "x"),

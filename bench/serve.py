@@ -89,7 +89,7 @@ def summarize(timings: list[dict], wall_s: float) -> dict[str, Any]:
         "drafted": drafted,
         "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": emitted / steps if steps else 0.0,
+        "tokens_per_step": emitted / steps if steps else 0.0,
         "drafter_versions": versions,
     }
 
@@ -243,14 +243,14 @@ class ServerProcess:
 
 def render(results: dict[str, dict], figures: dict[str, Any]) -> str:
     lines = [f"{'phase':18s} {'tok/s':>7s} {'ttft p50':>9s} {'p90':>7s} {'p99':>7s} {'tpot p50':>9s} "
-             f"{'p90':>7s} {'p99':>7s} {'α':>5s} {'MAL':>5s} {'busy T/D':>10s} {'overlap':>7s}"]
+             f"{'p90':>7s} {'p99':>7s} {'α':>5s} {'tok/st':>5s} {'busy T/D':>10s} {'overlap':>7s}"]
     for name, r in results.items():
         w = (r.get("workers") or [{}])[0]
         busy = f"{w.get('target_busy_fraction', 0):.2f}/{w.get('drafter_busy_fraction', 0):.2f}" if w else "-"
         lines.append(
             f"{name:18s} {r['tokens_per_s']:7.2f} {r['ttft_s']['p50']:9.3f} {r['ttft_s']['p90']:7.3f} "
             f"{r['ttft_s']['p99']:7.3f} {r['tpot_s']['p50']:9.3f} {r['tpot_s']['p90']:7.3f} "
-            f"{r['tpot_s']['p99']:7.3f} {r['acceptance_rate']:5.2f} {r['mean_accepted_length']:5.2f} "
+            f"{r['tpot_s']['p99']:7.3f} {r['acceptance_rate']:5.2f} {r['tokens_per_step']:5.2f} "
             f"{busy:>10s} {w.get('overlap_fraction', 0):7.2f}"
         )
     lines += [f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in figures.items()]

@@ -2,7 +2,7 @@
 
     with SpecdClient("127.0.0.1:50051") as c:
         out = c.generate("What is 2 + 3?", max_new_tokens=32)          # chat message, rendered by the server
-        print(out.text, out.usage["mean_accepted_length"])
+        print(out.text, out.usage["tokens_per_step"])
         for chunk in c.stream(text="def fib(n):", max_new_tokens=64):
             print(chunk.text, end="", flush=True)
 

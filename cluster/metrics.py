@@ -11,7 +11,8 @@ follow the glossary: drafted, accepted, recovered, bonus, step, gamma.
     specd_drafted_tokens_total, specd_accepted_tokens_total        counters by drafter version
     specd_acceptance_rate                gauge, accepted / drafted since start
     specd_accepted_length                histogram of tokens emitted per step (accepted + 1)
-    specd_mean_accepted_length           gauge, (accepted + recovered + bonus) / steps since start
+    specd_tokens_per_step                gauge, (accepted + recovered + bonus) / steps since start
+    specd_mean_accepted_length           gauge, 1 + accepted / steps that drafted, since start
     specd_position_drafted_total, specd_position_accepted_total    counters by draft position
     specd_gamma                          histogram of the γ each step used (tree: its depth)
     specd_drafter_version_info           gauge = 1 for the version each replica last used
@@ -34,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from specd.cluster.redact import redact_text
 from specd.cluster.scheduler import SchedulerObserver, ServedStats
-from specd.workers.engine.types import Draft, VerifyResult
+from specd.workers.engine.types import Draft, FinishReason, VerifyResult
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
@@ -69,8 +70,10 @@ class SpecdMetrics(SchedulerObserver):
         self.acceptance_rate = Gauge("specd_acceptance_rate", "accepted / drafted since start", registry=r)
         self.accepted_length = Histogram("specd_accepted_length", "Tokens emitted per step (accepted + 1)",
                                          buckets=_STEP_BUCKETS, registry=r)
+        self.tokens_per_step = Gauge("specd_tokens_per_step",
+                                     "(accepted + recovered + bonus) / steps since start", registry=r)
         self.mean_accepted_length = Gauge("specd_mean_accepted_length",
-                                          "(accepted + recovered + bonus) / steps since start", registry=r)
+                                          "1 + accepted / steps that drafted, since start", registry=r)
         self.position_drafted = Counter("specd_position_drafted", "Steps with a draft at this position",
                                         ["position", "drafter_version"], registry=r)
         self.position_accepted = Counter("specd_position_accepted",
@@ -112,7 +115,7 @@ class SpecdMetrics(SchedulerObserver):
                                      "drafting", ["replica"], registry=r)
         self._guard_counts: dict[str, tuple[int, int, int]] = {}
         self._versions: dict[int, str] = {}
-        self._sum_drafted = self._sum_accepted = self._sum_emitted = self._steps = 0
+        self._sum_drafted = self._sum_accepted = self._sum_emitted = self._steps = self._drafting_steps = 0
 
     # ---- SchedulerObserver ---------------------------------------------------------------------
     def set_live_config(self, bounds, version_pin: str | None) -> None:
@@ -149,9 +152,12 @@ class SpecdMetrics(SchedulerObserver):
         self._sum_accepted += result.num_accepted
         self._sum_emitted += len(result.new_tokens)
         self._steps += 1
+        self._drafting_steps += int(result.num_drafted > 0)
+        if self._drafting_steps:
+            self.mean_accepted_length.set(1.0 + self._sum_accepted / self._drafting_steps)
         if self._sum_drafted:
             self.acceptance_rate.set(self._sum_accepted / self._sum_drafted)
-        self.mean_accepted_length.set(self._sum_emitted / self._steps)
+        self.tokens_per_step.set(self._sum_emitted / self._steps)
         # Only a step that drafted says which version serves: a step the plan kept from drafting (γ 0, the
         # guard, a suffix-only draft) carries no version, and once flipped the gauge to "none".
         if draft.drafter_version and result.num_drafted > 0 and self._versions.get(replica) != version:
@@ -161,7 +167,7 @@ class SpecdMetrics(SchedulerObserver):
             self._versions[replica] = version
             self.drafter_version.labels(str(replica), version).set(1)
 
-    def on_finish(self, reason: str, stats: ServedStats) -> None:
+    def on_finish(self, reason: FinishReason, stats: ServedStats) -> None:
         self.requests.labels(reason).inc()
         self.latency.labels(reason).observe(stats.total_time)
         self.tokens.inc(stats.completion_tokens)

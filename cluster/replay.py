@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from specd.cluster.scheduler import SchedulerObserver, ServedStats
 from specd.proto.replay_codec import RecordBuilder
-from specd.workers.engine.types import Draft, VerifyResult
+from specd.workers.engine.types import Draft, FinishReason, VerifyResult
 
 
 @dataclass
@@ -97,7 +97,7 @@ class ObserverFanout(SchedulerObserver):
         for o in self.observers:
             o.on_step(replica, draft, result, depth)
 
-    def on_finish(self, reason: str, stats: ServedStats) -> None:
+    def on_finish(self, reason: FinishReason, stats: ServedStats) -> None:
         for o in self.observers:
             o.on_finish(reason, stats)
 

@@ -422,7 +422,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[{reason}] {usage.get('completion_tokens', 0)} tokens in {usage.get('total_time_s', 0):.2f} s, "
         f"ttft {usage.get('time_to_first_token_s', 0):.3f} s, accepted {usage.get('accepted', 0)}/"
-        f"{usage.get('drafted', 0)} drafted, mean accepted length {usage.get('mean_accepted_length', 0):.2f}",
+        f"{usage.get('drafted', 0)} drafted, tokens per step {usage.get('tokens_per_step', 0):.2f}",
         file=sys.stderr,
     )
     return 0

@@ -9,7 +9,7 @@ unless hidden states are needed.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -268,19 +268,6 @@ class Student:
                 feats[b, :n_tok] = input_features(e.states.float(), s)
         h = self.module.hidden_states(ids, feats, stale) if self.hidden else self.base.hidden_states(ids)
         return self.base.lm_head(h[mask])
-
-
-def with_prompt_weight(e: Example, weight: float) -> Example:
-    """`e` with its prompt labels weighted `weight`, or dropped at 0 (to compare settings on one
-    labelled stream: docs/decisions/online-trainer-settings.md)."""
-    k = e.n_prompt_labels
-    if not k:
-        return e
-    if weight > 0:
-        return replace(e, weights=torch.cat([torch.full((k,), float(weight)), e.weights[k:]]))
-    return replace(e, first_label=e.first_label + k, topk_logprobs=e.topk_logprobs[k:],
-                   topk_ids=e.topk_ids[k:], weights=e.weights[k:], step_position=e.step_position[k:],
-                   in_step=e.in_step[k:], n_prompt_labels=0)
 
 
 def is_held_out(entry_id: str, every: int) -> bool:

@@ -30,8 +30,12 @@ from specd.bench.report import cell_key, markdown_table  # noqa: E402
 
 MARKER = re.compile(r"<!-- table:(?P<spec>[^>]*?) -->\n(?P<body>.*?)<!-- /table -->", re.S)
 
-# The engine rows' `mean_accepted_length` field is emitted tokens / steps, which the docs call tokens
-# per step (the glossary's MAL is 1 + accepted / drafting steps).
+# Tokens per step, (accepted + recovered + bonus) / steps, is `tokens_per_step` in results; results
+# written before that name hold the same figure as `mean_accepted_length`.
+def tokens_per_step(row: dict) -> float:
+    return row["tokens_per_step"] if "tokens_per_step" in row else row["mean_accepted_length"]
+
+
 SYSTEM_COLUMNS = (
     ("system", "system", None, ""),
     ("workload", "workload", None, ""),
@@ -39,7 +43,7 @@ SYSTEM_COLUMNS = (
     ("T", "temperature", "g", ""),
     ("tok/s", "tokens_per_s", ".1f", ""),
     ("α", "acceptance_rate", ".2f", ""),
-    ("tokens/step", "mean_accepted_length", ".2f", ""),
+    ("tokens/step", "tokens_per_step", ".2f", ""),
     ("vs target-only", "speedup_vs_target_only", ".2f", "x"),
     ("paired", "speedup_vs_target_only_paired", ".3f", "x"),
     ("paired 95%", "paired_ci95", "interval", ""),
@@ -77,7 +81,7 @@ def engine_rows(root: Path, files: list[str], where: dict[str, str]) -> list[dic
     rows = []
     for name in files:
         rows += [r for r in _load(root, name)["rows"] if _keep(r, where)]
-    return rows
+    return [{**r, "tokens_per_step": tokens_per_step(r)} if "mean_accepted_length" in r else r for r in rows]
 
 
 def engine_grid(root: Path, files: list[str], where: dict[str, str]) -> str:
@@ -101,7 +105,7 @@ def engine_grid(root: Path, files: list[str], where: dict[str, str]) -> str:
             ci = r.get("paired_ci95")
             interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
             cells.append(f"{r['speedup_vs_target_only_paired']:.3f}x{interval} "
-                         f"({r['mean_accepted_length']:.2f})")
+                         f"({tokens_per_step(r):.2f})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -124,7 +128,7 @@ def serve(root: Path, files: list[str], where: dict[str, str]) -> str:
                 f"| `{Path(name).name}` | {phase} | {p['requests']} | {p['tokens_per_s']:.1f} | "
                 f"{p['ttft_s']['p50']:.2f} s | {p['tpot_s']['p50'] * 1000:.0f} ms | "
                 f"{p['tpot_s']['p90'] * 1000:.0f} ms | "
-                + (f"{p['acceptance_rate']:.2f} | {p['mean_accepted_length']:.2f} |" if drafted
+                + (f"{p['acceptance_rate']:.2f} | {tokens_per_step(p):.2f} |" if drafted
                    else "- | - |"))
         f = doc["figures"]
         text = f"`{Path(name).name}`: specd / target-only {f['speedup_specd_vs_target_only']:.3f}x"

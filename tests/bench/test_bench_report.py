@@ -39,7 +39,7 @@ def test_make_row_derives_rates_from_counts():
     assert r["tokens_per_s"] == pytest.approx(10.0)
     assert r["ms_per_token_p50"] == pytest.approx(90.0)       # median of 90, 110, 50
     assert r["acceptance_rate"] == pytest.approx(0.75)         # accepted / drafted
-    assert r["mean_accepted_length"] == pytest.approx(2.5)     # emitted / steps
+    assert r["tokens_per_step"] == pytest.approx(2.5)     # emitted / steps
     assert r["peak_rss_mb"] == 812.5 and r["load_s"] == 3.0
 
 
@@ -107,7 +107,7 @@ def test_paired_base_over_the_target_only_process():
 
 def test_make_row_without_speculation_has_null_acceptance():
     r = make_row("target-only", cell(), 128, None, False)
-    assert r["acceptance_rate"] is None and r["mean_accepted_length"] is None
+    assert r["acceptance_rate"] is None and r["tokens_per_step"] is None
 
 
 def test_ratios_only_on_speculative_specd_rows_and_per_cell():

@@ -33,7 +33,7 @@ def test_summarize_counts_tokens_latencies_and_acceptance() -> None:
     s = summarize(timings, wall_s=4.0)
     assert s["tokens"] == 12 and s["tokens_per_s"] == 3.0
     assert s["tpot_s"]["p50"] == pytest.approx(0.1)          # (2.0 - 1.0) / 10, one-token requests skipped
-    assert s["acceptance_rate"] == 0.75 and s["mean_accepted_length"] == 4.0
+    assert s["acceptance_rate"] == 0.75 and s["tokens_per_step"] == 4.0
     assert s["drafter_versions"] == ["v1"] and s["ttft_s"]["p90"] == 1.0
 
 

@@ -21,7 +21,8 @@ def test_steps_feed_acceptance_position_and_gamma_series() -> None:
     assert value(m, "specd_drafted_tokens_total", {"drafter_version": "v1"}) == 4
     assert value(m, "specd_accepted_tokens_total", {"drafter_version": "v1"}) == 3
     assert value(m, "specd_acceptance_rate") == 0.75
-    assert value(m, "specd_mean_accepted_length") == 2.5
+    assert value(m, "specd_tokens_per_step") == 2.5
+    assert value(m, "specd_mean_accepted_length") == 2.5                 # both steps drafted: 1 + 3 / 2
     assert value(m, "specd_position_drafted_total", {"position": "0", "drafter_version": "v1"}) == 2
     assert value(m, "specd_position_accepted_total", {"position": "1", "drafter_version": "v1"}) == 1
     assert value(m, "specd_position_accepted_total", {"position": "2", "drafter_version": "v1"}) is None
@@ -30,6 +31,14 @@ def test_steps_feed_acceptance_position_and_gamma_series() -> None:
     m.on_step(0, Draft("c", [2], drafter_version="v2"), VerifyResult("c", 1, 0, [3], False), 1)
     assert value(m, "specd_drafter_version_info", {"replica": "0", "drafter_version": "v1"}) is None
     assert value(m, "specd_drafter_version_info", {"replica": "0", "drafter_version": "v2"}) == 1
+
+
+def test_mean_accepted_length_counts_only_steps_that_drafted() -> None:
+    m = SpecdMetrics()
+    m.on_step(0, Draft("a", [5, 6, 7], drafter_version="v1"), VerifyResult("a", 3, 2, [5, 6, 9], False), 3)
+    m.on_step(0, Draft("a", [], drafter_version=""), VerifyResult("a", 0, 0, [8], True), 0)
+    assert value(m, "specd_tokens_per_step") == 2.0                       # (3 + 1) / 2
+    assert value(m, "specd_mean_accepted_length") == 3.0                 # 1 + 2 / 1
 
 
 def test_version_info_keeps_the_serving_version_through_steps_that_did_not_draft() -> None:

@@ -223,7 +223,7 @@ def test_health_reflection_and_server_info(server) -> None:
     pool = descriptor_pool.DescriptorPool(db)
     methods = {m.name for m in pool.FindServiceByName("specd.v1.Specd").methods}
     assert methods == {"Generate", "GenerateStream", "ServerInfo"}
-    assert pool.FindMessageTypeByName("specd.v1.Usage").fields_by_name["mean_accepted_length"]
+    assert pool.FindMessageTypeByName("specd.v1.Usage").fields_by_name["tokens_per_step"]
     info = c.server_info()
     assert info["model"] == "fake" and info["gamma_max"] == 6 and info["max_new_tokens_cap"] == 32
     assert info["workers"][0]["steps"] > 0 and info["workers"][0]["drafter_version"] == "v1"

@@ -26,6 +26,7 @@ class RequestStats:
     recovered: int = 0
     bonus: int = 0
     steps: int = 0
+    drafting_steps: int = 0  # steps that drafted at least one token
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     gamma_history: list[int] = field(default_factory=list)  # draft positions used per step (chain: γ)
@@ -57,6 +58,7 @@ class RequestStats:
         self.bonus += int(is_bonus)
         self.recovered += int(not is_bonus)
         self.steps += 1
+        self.drafting_steps += int(drafted > 0)
         self.drafted_per_position = _add_padded(self.drafted_per_position, [1] * positions)
         self.accepted_per_position = _add_padded(self.accepted_per_position, [1] * accepted)
         self.gamma_history.append(positions)
@@ -77,9 +79,15 @@ class RequestStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
-    def mean_accepted_length(self) -> float:
+    def tokens_per_step(self) -> float:
         """(accepted + recovered + bonus) / steps: tokens emitted per step (0 before the first step)."""
         return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """MAL as vLLM and the papers use it: 1 + accepted / steps that drafted (0 before one drafted).
+        It differs from tokens_per_step when some steps draft nothing."""
+        return 1.0 + self.accepted / self.drafting_steps if self.drafting_steps else 0.0
 
     def acceptance_per_position(self) -> list[float]:
         """P(draft j accepted | a draft was made at j), per position j."""
@@ -103,6 +111,7 @@ class RequestStats:
             recovered=self.recovered + other.recovered,
             bonus=self.bonus + other.bonus,
             steps=self.steps + other.steps,
+            drafting_steps=self.drafting_steps + other.drafting_steps,
             accepted_per_position=_add_padded(self.accepted_per_position, other.accepted_per_position),
             drafted_per_position=_add_padded(self.drafted_per_position, other.drafted_per_position),
             gamma_history=self.gamma_history + other.gamma_history,
@@ -118,7 +127,9 @@ class RequestStats:
             "recovered": self.recovered,
             "bonus": self.bonus,
             "steps": self.steps,
+            "drafting_steps": self.drafting_steps,
             "acceptance_rate": self.acceptance_rate,
+            "tokens_per_step": self.tokens_per_step,
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_per_position": list(self.accepted_per_position),
             "drafted_per_position": list(self.drafted_per_position),
@@ -136,6 +147,7 @@ class RequestStats:
             recovered=d["recovered"],
             bonus=d["bonus"],
             steps=d["steps"],
+            drafting_steps=d.get("drafting_steps", 0),   # absent from records written before it existed
             accepted_per_position=list(d["accepted_per_position"]),
             drafted_per_position=list(d["drafted_per_position"]),
             gamma_history=list(d["gamma_history"]),

@@ -8,7 +8,7 @@ a request that is never drafted for costs no drafter forward. Drafts are fed one
 verification the cache rolls back to the verified prefix and the target's token joins the feed, so
 rollback is exact and nothing is recomputed.
 
-A feature drafter (bootstrapped by drafter_trainer/hidden_stage.py) also reads the target's hidden
+A hidden-state drafter (bootstrapped by drafter_trainer/hidden_stage.py) also reads the target's hidden
 states: each token's input gets the target state that predicted it. Drafted tokens the target has not
 seen yet get the newest state there is, marked k steps stale, as in training. After verification the
 drafts leave the cache and the verified tokens are fed again with their fresh states, so the cache
@@ -331,7 +331,7 @@ class ModelDrafter(Drafter):
         return self._propose_tree(request_ids, depths, widths, params)
 
     def _tree_features(self, seq: _DraftSeq, parents: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """A feature drafter's inputs for a tree's nodes, as in a chain: every node gets the newest
+        """A hidden-state drafter's inputs for a tree's nodes, as in a chain: every node gets the newest
         target state there is (the root's), marked as stale as the node is deep (the root: fresh)."""
         depth = [0]
         for parent in parents[1:]:

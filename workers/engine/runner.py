@@ -130,7 +130,7 @@ class ModelRunner:
 
         Long prompts go in chunks of `prefill_chunk` tokens per row; rows whose prompt is done
         drop out of later chunks. The head runs only on each row's last token.
-        features: a feature drafter's inputs, one [len(prompt), hidden] per row (all fresh).
+        features: a hidden-state drafter's inputs, one [len(prompt), hidden] per row (all fresh).
         return_hidden: also return each prompt's final hidden states, [len(prompt), hidden] per row.
         """
         if len(slots) != len(prompts) or any(len(p) == 0 for p in prompts):
@@ -169,7 +169,7 @@ class ModelRunner:
         """Append tokens (a different count per row allowed), causally: logits [b, n_max, vocab].
 
         Row i's logits at index j follow its token j; entries j >= len(tokens[i]) are padding.
-        features[i] [len(tokens[i]), hidden] and staleness[i] feed a feature drafter (see
+        features[i] [len(tokens[i]), hidden] and staleness[i] feed a hidden-state drafter (see
         workers/models/llama.py); return_hidden adds the final hidden states [b, n_max, hidden].
         """
         if len(slots) != len(tokens) or any(len(t) == 0 for t in tokens):
@@ -320,7 +320,7 @@ class ModelRunner:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Batched extend_tree over several slots (trees padded to the largest): [b, n_max, vocab].
 
-        features[i] [len(trees_tokens[i]), hidden] and staleness[i] feed a feature drafter, per node.
+        features[i] [len(trees_tokens[i]), hidden] and staleness[i] feed a hidden-state drafter, per node.
         """
         order = self._slot_order(slots)
         if order is not None:   # rows in slot order, as in _extend

@@ -109,7 +109,7 @@ class TargetWorker:
 
         return_hidden: also return each prompt's final hidden states [len(prompt), hidden] (float32,
         cpu); row j is the state that predicted token j + 1 (the last one predicted the first token).
-        A feature drafter reads them (workers/drafters/model.py).
+        A hidden-state drafter reads them (workers/drafters/model.py).
         """
         t0 = time.perf_counter()
         for req in requests:

@@ -114,7 +114,7 @@ class Llama(nn.Module):
         attn_mask: torch.Tensor | None = None,  # [b, n, n] bool among the new tokens; None = causal
         logit_index: torch.Tensor | None = None,  # [b, m] which of the n positions get logits
         full_vocab: bool = True,
-        features: torch.Tensor | None = None,  # [b, n, hidden] target hidden states (feature drafters)
+        features: torch.Tensor | None = None,  # [b, n, hidden] target hidden states (hidden-state drafters)
         staleness: torch.Tensor | None = None,  # [b, n] int: steps each feature is behind its token
         return_hidden: bool = False,
         counts: list[int] | None = None,  # real tokens per row (the rest is padding); None = all n
@@ -122,7 +122,7 @@ class Llama(nn.Module):
         """Logits [b, m or n, vocab] for the new tokens; their K/V land in the cache.
 
         return_hidden: also return the final-norm hidden states of all n new tokens, [b, n, hidden]
-        (what the head reads; a feature drafter consumes the target's).
+        (what the head reads; a hidden-state drafter consumes the target's).
 
         Row i's new tokens are stored at cache positions lengths[slot_i] + 0..n-1 (storage order,
         independent of `positions`, so tree siblings of equal depth do not collide) and attend to
@@ -159,7 +159,7 @@ class Llama(nn.Module):
         features: torch.Tensor | None = None,  # [b, n, hidden]
         staleness: torch.Tensor | None = None,  # [b, n]
     ) -> torch.Tensor:  # [b, n, hidden]
-        """Token embeddings, plus the target-state terms of a feature drafter."""
+        """Token embeddings, plus the target-state terms of a hidden-state drafter."""
         x = F.embedding(input_ids, self.embed_tokens)
         if self.feature_proj is not None:
             if features is None or staleness is None:

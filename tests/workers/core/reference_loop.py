@@ -41,7 +41,7 @@ def speculative_generate(
     """Generate max_new_tokens after prompt; tree_width > 1 drafts a tree instead of a chain.
 
     Returns the new tokens and step statistics: steps, drafted, accepted, bonus, recovered,
-    acceptance_rate (accepted / drafted), mean_accepted_length ((accepted + recovered + bonus) / steps),
+    acceptance_rate (accepted / drafted), tokens_per_step ((accepted + recovered + bonus) / steps),
     accepted_histogram (steps by number of accepted drafts, 0..gamma).
     """
     params.validate()
@@ -80,7 +80,7 @@ def speculative_generate(
         stats["bonus" if is_bonus else "recovered"] += 1
         stats["accepted_histogram"][num_accepted] += 1
     stats["acceptance_rate"] = stats["accepted"] / max(stats["drafted"], 1)
-    stats["mean_accepted_length"] = (stats["accepted"] + stats["steps"]) / max(stats["steps"], 1)
+    stats["tokens_per_step"] = (stats["accepted"] + stats["steps"]) / max(stats["steps"], 1)
     return new_tokens[:max_new_tokens], stats
 
 

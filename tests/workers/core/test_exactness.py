@@ -280,4 +280,4 @@ def test_speculative_generate_stats():
     assert stats["bonus"] + stats["recovered"] == stats["steps"] == sum(stats["accepted_histogram"])
     assert stats["drafted"] == 3 * stats["steps"]
     assert stats["acceptance_rate"] == stats["accepted"] / stats["drafted"]
-    assert stats["mean_accepted_length"] == (stats["accepted"] + stats["steps"]) / stats["steps"]
+    assert stats["tokens_per_step"] == (stats["accepted"] + stats["steps"]) / stats["steps"]

@@ -26,10 +26,14 @@ def test_record_step_counts() -> None:
 def test_rates() -> None:
     stats = three_steps()
     assert stats.acceptance_rate == pytest.approx(5 / 7)
-    assert stats.mean_accepted_length == pytest.approx(8 / 3)
+    assert stats.tokens_per_step == pytest.approx(8 / 3)
+    # MAL counts only the two steps that drafted: 1 + 5 / 2, not the 8 / 3 tokens per step
+    assert stats.drafting_steps == 2 and stats.mean_accepted_length == pytest.approx(3.5)
     assert stats.acceptance_per_position() == pytest.approx([1.0, 1.0, 0.5, 0.0])
     empty = RequestStats()
-    assert empty.acceptance_rate == 0.0 and empty.mean_accepted_length == 0.0
+    assert empty.acceptance_rate == 0.0 and empty.tokens_per_step == 0.0
+    assert empty.mean_accepted_length == 0.0
+    assert RequestStats.from_dict(stats.to_dict()).mean_accepted_length == pytest.approx(3.5)
 
 
 def test_per_version_breakdown() -> None:

@@ -44,7 +44,7 @@ CASES = {
 }
 
 
-def _feature_drafter(src, dst):
+def _hidden_state_drafter(src, dst):
     """The tiny drafter plus a random adapter for the target's hidden states."""
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
@@ -67,7 +67,7 @@ def workers(tiny_target_dir, tiny_drafter_dir, tmp_path_factory):
         "target.max_slots=128", "drafter.max_slots=128", "target.max_seq_len=16",
     ])
     target = TargetWorker(cfg.target, seed=11)
-    hidden_dir = _feature_drafter(tiny_drafter_dir, tmp_path_factory.mktemp("exact") / "hidden")
+    hidden_dir = _hidden_state_drafter(tiny_drafter_dir, tmp_path_factory.mktemp("exact") / "hidden")
     hidden_cfg = dataclasses.replace(cfg.drafter, path=str(hidden_dir))
     yield target, {
         "token": DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir), seed=12),

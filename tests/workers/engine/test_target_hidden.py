@@ -30,7 +30,7 @@ PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5
 HIDDEN = 64  # tiny models' hidden size (conftest)
 
 
-def _feature_drafter(src, dst, scale: float, seed: int = 3):
+def _hidden_state_drafter(src, dst, scale: float, seed: int = 3):
     """A copy of the tiny drafter with a feature adapter: random (scale > 0) or zero."""
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
@@ -46,13 +46,13 @@ def _feature_drafter(src, dst, scale: float, seed: int = 3):
 def hidden_drafter_dir(tiny_target_dir, tmp_path_factory):
     """The target itself plus a small random adapter: it agrees with the target often, not always,
     so steps accept, reject and roll back."""
-    return _feature_drafter(tiny_target_dir, tmp_path_factory.mktemp("fd") / "near", scale=0.06)
+    return _hidden_state_drafter(tiny_target_dir, tmp_path_factory.mktemp("fd") / "near", scale=0.06)
 
 
 @pytest.fixture(scope="module")
 def far_drafter_dir(tiny_drafter_dir, tmp_path_factory):
     """Another random model, reduced head, large adapter: nearly every draft is rejected."""
-    return _feature_drafter(tiny_drafter_dir, tmp_path_factory.mktemp("fd") / "far", scale=0.5)
+    return _hidden_state_drafter(tiny_drafter_dir, tmp_path_factory.mktemp("fd") / "far", scale=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_runner_hidden_states_match_a_plain_prefill(tiny_target_dir):
 
 
 def test_zero_adapter_is_the_token_drafter(tiny_drafter_dir, tmp_path):
-    zero = _feature_drafter(tiny_drafter_dir, tmp_path / "zero", scale=0.0)
+    zero = _hidden_state_drafter(tiny_drafter_dir, tmp_path / "zero", scale=0.0)
     plain, feat = ModelRunner(tiny_drafter_dir, max_seq_len=64), ModelRunner(zero, max_seq_len=64)
     tokens = [[5, 9, 13, 2, 40], [7, 7]]
     states = [torch.randn(len(t), HIDDEN) for t in tokens]
@@ -186,7 +186,7 @@ def test_sampled_runs_are_seeded_and_lossless_in_shape(cfg, target):
     assert runs[0] == runs[1]
 
 
-def test_feature_drafter_drafts_real_trees_from_a_fresh_cache(cfg, target, hidden_drafter_dir):
+def test_hidden_state_drafter_drafts_real_trees_from_a_fresh_cache(cfg, target, hidden_drafter_dir):
     """Trees, not chains; each tree equals the one a new drafter given the whole verified text drafts,
     and its first branch is the greedy chain (same states, same staleness per depth)."""
     drafter = ModelDrafter(hidden_drafter_dir, max_slots=2, max_seq_len=256)
