@@ -11,8 +11,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Written on other branches; linked from README and docs/operations.md before they land here.
-PENDING = {"docs/security.md", "docs/data-safety.md", "docs/kubernetes.md", "docs/overhead.md"}
 # A repository path in backticks or a link. A path right after "207ad13:" is a git object (a file that
 # left the tree, read with `git show`), not a file of the tree.
 TREE_PATH = re.compile(
@@ -64,10 +62,10 @@ def test_every_cited_file_exists() -> None:
     for doc in DOCS:
         text = doc.read_text()
         for path in TREE_PATH.findall(text):
-            if not (ROOT / path).exists() and path not in PENDING:
+            if not (ROOT / path).exists():
                 missing.append(f"{_rel(doc)}: {path}")
         for target in _linked(doc, text):
-            if not (ROOT / target).exists() and target not in PENDING:
+            if not (ROOT / target).exists():
                 missing.append(f"{_rel(doc)}: link to {target}")
         for marker in TABLES.MARKER.finditer(text):
             missing += [f"{_rel(doc)}: table source {s}" for s in TABLES.sources(marker["spec"])
@@ -92,7 +90,7 @@ def test_code_cites_existing_docs() -> None:
         if path.suffix not in (".py", ".proto", ".sh", ".yaml") or _hidden(path):
             continue
         for cited in re.findall(r"docs/[\w./-]*\w\.md", path.read_text(errors="replace")):
-            if not (ROOT / cited).is_file() and cited not in PENDING:
+            if not (ROOT / cited).is_file():
                 missing.append(f"{_rel(path)}: {cited}")
     assert not missing, missing
 
