@@ -71,14 +71,6 @@ class TokenTree:
     def position_ids(self, start: int) -> torch.Tensor:  # [n] long; start = position of the root
         return start + self.depth()
 
-    def path_to(self, i: int) -> list[int]:
-        """Node indices from the root (0) down to node i, both included."""
-        parents = self.parents.tolist()
-        path = [i]
-        while path[-1] != 0:
-            path.append(parents[path[-1]])
-        return path[::-1]
-
     def num_drafted(self) -> int:
         return len(self) - 1
 

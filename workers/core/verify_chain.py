@@ -14,8 +14,8 @@ accept probability is 1 when the draft equals argmax p and 0 otherwise, and the 
 argmax p. The accept test `u * q < p` with u in [0, 1) is then decided without looking at u.
 
 The batch holds requests with different draft lengths: draft_tokens is padded to gamma_max and
-num_drafts says how many are real. Padded positions are never accepted, and the bonus of a request
-comes from p at its own position num_drafts, not at gamma_max.
+num_drafted says how many are real. Padded positions are never accepted, and the bonus of a request
+comes from p at its own position num_drafted, not at gamma_max.
 """
 
 from dataclasses import dataclass
@@ -52,8 +52,8 @@ def residual_weights(
 
 
 def verify_chain(
-    draft_tokens: torch.Tensor,  # [batch, gamma_max] long, padded (any value) after num_drafts
-    num_drafts: torch.Tensor,  # [batch] long, 0 <= num_drafts <= gamma_max
+    draft_tokens: torch.Tensor,  # [batch, gamma_max] long, padded (any value) after num_drafted
+    num_drafted: torch.Tensor,  # [batch] long, 0 <= num_drafted <= gamma_max
     draft_probs: torch.Tensor | None,  # q [batch, gamma_max, vocab]; None = one-hot on each draft token
     target_probs: torch.Tensor,  # p [batch, gamma_max + 1, vocab], already through logits_to_probs
     generators: list[torch.Generator | None],  # one per row; None = torch's default generator
@@ -64,7 +64,7 @@ def verify_chain(
     device = target_probs.device
     rows = torch.arange(batch, device=device)
     positions = torch.arange(gamma_max, device=device)  # [gamma_max]
-    is_real = positions[None, :] < num_drafts[:, None]  # [batch, gamma_max]
+    is_real = positions[None, :] < num_drafted[:, None]  # [batch, gamma_max]
     safe_drafts = torch.where(is_real, draft_tokens, torch.zeros_like(draft_tokens))
 
     # p(x_i) and q(x_i) of each drafted token.
@@ -75,15 +75,15 @@ def verify_chain(
         q_draft = draft_probs.gather(-1, safe_drafts[..., None])[..., 0]  # [batch, gamma_max]
 
     # Accept x_i with probability min(1, p/q): u < p/q, written without the division so that q = 0 and
-    # one-hot rows need no special case. Randomness per row: num_drafts uniforms, then vocab
+    # one-hot rows need no special case. Randomness per row: num_drafted uniforms, then vocab
     # exponentials, whatever the outcome.
-    u = uniform_noise(generators, num_drafts.tolist(), gamma_max, device, greedy)  # [batch, gamma_max]
+    u = uniform_noise(generators, num_drafted.tolist(), gamma_max, device, greedy)  # [batch, gamma_max]
     accepted = (u * q_draft < p_draft) & is_real
     # The number accepted is the length of the leading run of True.
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
-    is_bonus = num_accepted == num_drafts
+    is_bonus = num_accepted == num_drafted
 
-    # The last emitted token: bonus from p at position num_drafts, or recovered from
+    # The last emitted token: bonus from p at position num_drafted, or recovered from
     # norm(max(0, p - q)) at the first rejected position. Both live at position num_accepted.
     if gamma_max == 0:
         # Nothing drafted (plain decoding steps): every row's token is a bonus from p at position 0; no
@@ -107,14 +107,3 @@ def verify_chain(
     output_tokens[rows, num_accepted] = last_token
     return ChainVerifyOutput(output_tokens=output_tokens, num_accepted=num_accepted, is_bonus=is_bonus)
 
-
-def truncate_at_stop(tokens: list[int], stop_token_ids: set[int]) -> tuple[list[int], bool]:
-    """Cut emitted tokens after the first stop token (kept), e.g. end of sequence.
-
-    The verifier does not know about stop tokens: it may accept drafts past an end-of-sequence token.
-    Cutting there keeps exactness, because the prefix up to the stop token is target-distributed.
-    """
-    for i, token in enumerate(tokens):
-        if token in stop_token_ids:
-            return tokens[: i + 1], True
-    return tokens, False

@@ -103,7 +103,7 @@ def _chain_step(target_logits_fn, draft_logits_fn, probs_of, tokens, gamma, gene
     q = torch.stack(q_rows) if q_rows else p.new_zeros(0, p.shape[-1])  # [gamma, vocab]
     out = verify_chain(
         draft_tokens=torch.tensor([drafts], dtype=torch.long, device=p.device).reshape(1, gamma),
-        num_drafts=torch.tensor([gamma], device=p.device),
+        num_drafted=torch.tensor([gamma], device=p.device),
         draft_probs=q[None],
         target_probs=p[None],
         generators=[generator],

@@ -56,7 +56,7 @@ def chain_samples(params, num, seed, gamma_max=3, deterministic_drafts=False):
         active = (length < end).nonzero()[:, 0]
         m = active.shape[0]
         context = seqs[active].gather(1, length[active, None] + torch.tensor([-2, -1]))  # [m, 2]
-        num_drafts = torch.randint(0, gamma_max + 1, (m,))
+        num_drafted = torch.randint(0, gamma_max + 1, (m,))
         drafts, q_rows, p_rows = [], [], []
         for _ in range(gamma_max):
             q = DRAFTER.probs(context, params)  # [m, vocab]
@@ -68,7 +68,7 @@ def chain_samples(params, num, seed, gamma_max=3, deterministic_drafts=False):
         p_rows.append(TARGET.probs(context, params))
         out = verify_chain(
             torch.stack(drafts, 1),
-            num_drafts,
+            num_drafted,
             None if deterministic_drafts else torch.stack(q_rows, 1),
             torch.stack(p_rows, 1),
             [None] * m,

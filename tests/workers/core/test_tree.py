@@ -1,5 +1,6 @@
 import pytest
 import torch
+from toy import path_to
 
 from specd.workers.core.tree import TokenTree, pad_trees
 
@@ -23,7 +24,7 @@ def test_depth_positions_and_paths():
     tree = example_tree()
     assert tree.depth().tolist() == [0, 1, 1, 2, 2, 2]
     assert tree.position_ids(start=10).tolist() == [10, 11, 11, 12, 12, 12]
-    assert tree.path_to(5) == [0, 2, 5] and tree.path_to(0) == [0]
+    assert path_to(tree, 5) == [0, 2, 5] and path_to(tree, 0) == [0]
     assert tree.node_of([2, 5]) == 5 and tree.node_of([]) == 0
     with pytest.raises(KeyError):
         tree.node_of([1, 4])

@@ -2,7 +2,7 @@ import torch
 from toy import residual_skipped
 
 from specd.workers.core.sampling import make_generator
-from specd.workers.core.verify_chain import truncate_at_stop, verify_chain
+from specd.workers.core.verify_chain import verify_chain
 
 VOCAB = 6
 
@@ -11,12 +11,12 @@ def one_hot(tokens, vocab=VOCAB):  # [..] -> [.., vocab]
     return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
 
 
-def greedy_verify(drafts, target_argmax, num_drafts=None, generators=None):
+def greedy_verify(drafts, target_argmax, num_drafted=None, generators=None):
     """One row; p one-hot on target_argmax (len(drafts) + 1), q one-hot on the drafts."""
     gamma = len(drafts)
     return verify_chain(
         draft_tokens=torch.tensor([drafts], dtype=torch.long).reshape(1, gamma),
-        num_drafts=torch.tensor([gamma if num_drafts is None else num_drafts]),
+        num_drafted=torch.tensor([gamma if num_drafted is None else num_drafted]),
         draft_probs=one_hot(drafts)[None].reshape(1, gamma, VOCAB),
         target_probs=one_hot(target_argmax)[None],
         generators=generators or [make_generator(0)],
@@ -61,9 +61,9 @@ def test_empty_draft_samples_one_token_from_first_position():
 def test_rows_with_fewer_drafts_take_bonus_at_their_own_end():
     # gamma_max 3; row 0 has 3 drafts, row 1 one draft, row 2 none. Padding holds -1.
     drafts = torch.tensor([[1, 2, 3], [1, -1, -1], [-1, -1, -1]])
-    num_drafts = torch.tensor([3, 1, 0])
+    num_drafted = torch.tensor([3, 1, 0])
     p = torch.stack([one_hot([1, 2, 3, 0]), one_hot([1, 5, 5, 5]), one_hot([4, 5, 5, 5])])
-    out = verify_chain(drafts, num_drafts, None, p, [None, None, None])
+    out = verify_chain(drafts, num_drafted, None, p, [None, None, None])
     assert out.output_tokens.tolist() == [[1, 2, 3, 0], [1, 5, -1, -1], [4, -1, -1, -1]]
     assert out.num_accepted.tolist() == [3, 1, 0] and out.is_bonus.tolist() == [True, True, True]
 
@@ -72,8 +72,6 @@ def test_end_of_sequence_draft_is_accepted_and_truncated_by_the_caller():
     eos = 5
     out = greedy_verify([2, eos, 3], [2, eos, 3, 1])
     assert out.emitted(0) == [2, eos, 3, 1]  # the verifier is token-agnostic
-    assert truncate_at_stop(out.emitted(0), {eos}) == ([2, eos], True)
-    assert truncate_at_stop([1, 2], {eos}) == ([1, 2], False)
 
 
 def test_deterministic_drafts_without_q():
@@ -124,15 +122,15 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
     q = torch.softmax(torch.randn(4, 3, VOCAB, generator=g), dim=-1)
     p = torch.softmax(torch.randn(4, 4, VOCAB, generator=g), dim=-1)
     drafts = torch.randint(0, VOCAB, (4, 3), generator=g)
-    num_drafts = torch.tensor([3, 2, 3, 1])
-    first = verify_chain(drafts, num_drafts, q, p, [make_generator(s) for s in (1, 2, 3, 4)])
-    again = verify_chain(drafts, num_drafts, q, p, [make_generator(s) for s in (1, 2, 3, 4)])
+    num_drafted = torch.tensor([3, 2, 3, 1])
+    first = verify_chain(drafts, num_drafted, q, p, [make_generator(s) for s in (1, 2, 3, 4)])
+    again = verify_chain(drafts, num_drafted, q, p, [make_generator(s) for s in (1, 2, 3, 4)])
     assert torch.equal(first.output_tokens, again.output_tokens)
     # Row 1 alone, without the padding columns the larger batch needed, gives the same tokens.
-    alone = verify_chain(drafts[1:2, :2], num_drafts[1:2], q[1:2, :2], p[1:2, :3], [make_generator(2)])
+    alone = verify_chain(drafts[1:2, :2], num_drafted[1:2], q[1:2, :2], p[1:2, :3], [make_generator(2)])
     assert alone.emitted(0) == first.emitted(1)
     # Different seeds give different outputs somewhere over a few tries.
     others = {
-        tuple(verify_chain(drafts, num_drafts, q, p, [make_generator(s)] * 4).emitted(0)) for s in range(30)
+        tuple(verify_chain(drafts, num_drafted, q, p, [make_generator(s)] * 4).emitted(0)) for s in range(30)
     }
     assert len(others) > 1

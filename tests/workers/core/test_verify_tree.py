@@ -1,5 +1,5 @@
 import torch
-from toy import residual_skipped
+from toy import path_to, residual_skipped
 
 from specd.workers.core.sampling import make_generator
 from specd.workers.core.tree import TokenTree
@@ -108,7 +108,7 @@ def test_batch_of_different_shapes_matches_one_by_one():
         for out, tree in zip(batched, trees, strict=True):
             assert len(out.output_tokens) == len(out.accepted_nodes) + 1
             if out.accepted_nodes:  # the accepted nodes form a path from the root
-                assert out.accepted_nodes == tree.path_to(out.accepted_nodes[-1])[1:]
+                assert out.accepted_nodes == path_to(tree, out.accepted_nodes[-1])[1:]
 
 
 def test_seeded_tree_verification_is_reproducible():

@@ -72,3 +72,12 @@ def residual_skipped():
     with mock.patch("specd.workers.core.verify_chain.residual_weights", p_only), \
             mock.patch("specd.workers.core.verify_tree.residual_weights", p_only):
         yield
+
+
+def path_to(tree, i: int) -> list[int]:
+    """Node indices of a TokenTree from the root (0) down to node i, both included."""
+    parents = tree.parents.tolist()
+    path = [i]
+    while path[-1] != 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
