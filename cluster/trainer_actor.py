@@ -124,10 +124,14 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
     target_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
     store = versions_store(cfg, endpoint, target_dir)
     # The serving version from Redis when there is one: the drafter the router started from (version 0)
-    # sits on the router's disk, which a trainer on its own node cannot read.
-    base = None
-    if store.current() is None:
+    # may sit on the router's disk only. A base drafter on this node's disk (the image's) is still what
+    # the trainer falls back to when the serving version turns out unreadable.
+    try:
         base = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, cfg.drafter.target_hidden)
+    except FileNotFoundError:
+        if store.current() is None:
+            raise
+        base = None
     # No socket timeout: XREADGROUP blocks on purpose; a dead server still fails the call.
     client = endpoint.client(socket_timeout=None)
     source = ReplaySource(client, cfg.replay.stream, cfg.trainer.group, cfg.trainer.consumer)

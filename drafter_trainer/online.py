@@ -51,7 +51,13 @@ from specd.drafter_trainer.online_data import (
 from specd.drafter_trainer.publish import TARGET_TENSORS, VersionStore, write_current_durably
 from specd.drafter_trainer.replay_source import ReplaySource
 from specd.proto.replay_codec import ReplayFormatError, decode_record
-from specd.workers.drafters.versions import VERSIONS_DIR, load_version, target_checksum, version_dir
+from specd.workers.drafters.versions import (
+    VERSIONS_DIR,
+    VersionError,
+    load_version,
+    target_checksum,
+    version_dir,
+)
 
 log = logging.getLogger(__name__)
 # TrainerStats fields a checkpoint carries over a restart
@@ -150,6 +156,8 @@ class OnlineTrainer:
             write_current_durably(self.store.root, version)
             log.warning("trainer: serving %s instead", version)
             return
+        if base_drafter_dir is None:
+            raise VersionError(f"no loadable version in {self.store.root} and no base drafter on this node")
         self._publish_base(base_drafter_dir)
 
     def _load(self, version: str) -> Student:
