@@ -123,9 +123,10 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
     if drafter_kind(None) == "model":  # the n-gram drafter's trees are chains
         tree = c.generate(PROMPTS[0], max_new_tokens=24, tree_width=2, gamma=3)
         assert tree.usage["drafted"] > 3 * tree.usage["steps"], "a tree, not a chain of γ = 3"
-    # a seeded request is reproducible under a γ policy that does not follow measured time (under goodput,
-    # the default, γ and so the draws may differ run to run: docs/speculation.md)
-    seeded = dict(max_new_tokens=12, temperature=0.8, seed=7, gamma_policy="fixed")
+    # A seeded request reproduces with speculation off: its draws come from its own generator only. With
+    # speculation on they follow the drafts, which follow what the server has served and measured (the
+    # suffix index, drafter versions), so two runs may differ: keyed sampling is issue 38's open part.
+    seeded = dict(max_new_tokens=12, temperature=0.8, seed=7, speculation=False)
     sampled = [c.generate(PROMPTS[0], **seeded).token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]
 
