@@ -54,6 +54,7 @@ from specd.proto.replay_codec import ReplayFormatError, decode_record
 from specd.workers.drafters.versions import (
     VERSIONS_DIR,
     VersionError,
+    held_out_acceptance,
     load_version,
     target_checksum,
     version_dir,
@@ -138,7 +139,8 @@ class OnlineTrainer:
     def _publish_base(self, base_drafter_dir: str | Path) -> None:
         state, config, meta = load_drafter(base_drafter_dir)
         self.store.publish(state, config, version=meta.get("version"), parent=None,
-                           target_checksum=self.target_checksum, origin=str(base_drafter_dir))
+                           target_checksum=self.target_checksum, origin=str(base_drafter_dir),
+                           held_out_acceptance=held_out_acceptance(meta))
 
     def _recover_current(self, base_drafter_dir: str | Path, exc: Exception) -> None:
         """CURRENT names a version that cannot be loaded: move it aside (versions/.broken-*, kept for
@@ -394,6 +396,8 @@ class OnlineTrainer:
             version = self.store.publish(
                 self.candidate.state_dict(), self.candidate.config, version=None, parent=parent,
                 target_checksum=self.target_checksum, records_seen=self.stats.records_seen,
+                # what the planner seeds its acceptance counts with when this version starts drafting
+                held_out_acceptance=round(cand.greedy_match, 4),
                 gate={"candidate": cand.as_dict(), "serving": serv.as_dict(), "margin": self.cfg.gate_margin},
                 train={"divergence": self.cfg.divergence, "positions": self.cfg.positions, "lr": self.cfg.lr,
                        "optimizer_steps": self.stats.optimizer_steps},

@@ -31,7 +31,7 @@ from specd.workers.drafters.redis_versions import (
     redis_current,
     set_current,
 )
-from specd.workers.drafters.versions import target_checksum, version_dir, write_current
+from specd.workers.drafters.versions import held_out_acceptance, target_checksum, version_dir, write_current
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def publish_first_version(spec: dict, prefix: str, drafter_dir: str | Path, targ
     # published by an earlier start of this router: the same files go to Redis again
     if not (version and version_dir(store.root, version).is_dir()):
         version = store.publish(state, config, version=version, parent=None, target_checksum=target_sum,
-                                origin=str(drafter_dir))
+                                origin=str(drafter_dir), held_out_acceptance=held_out_acceptance(meta))
     push_version(mirror.client, prefix, version_dir(store.root, version), make_current=True)
     log.info("drafter versions: first-start drafter %s published to Redis (%s)", version, prefix)
     return version

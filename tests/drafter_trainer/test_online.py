@@ -117,6 +117,8 @@ def test_gate_rejects_a_worse_candidate_and_publishes_a_better_one(tmp_path, tin
     assert meta["parent_version"] == base_version
     assert meta["target_checksum"] == target_checksum(tiny_llama_dir)
     assert meta["gate"]["candidate"]["expected_acceptance"] > meta["gate"]["serving"]["expected_acceptance"]
+    # the version's acceptance prior for serving is its gate score on held-out replayed traffic
+    assert meta["held_out_acceptance"] == meta["gate"]["candidate"]["greedy_match"]
     files = trainer.store.root / "versions" / version
     from safetensors import safe_open
 

@@ -30,7 +30,7 @@ import torch
 from specd.workers.core.sampling import SEED_RANGE, logits_to_probs, make_generator, params_to_tensors, sample
 from specd.workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
 from specd.workers.drafters.registry import register_drafter
-from specd.workers.drafters.versions import META_FILE
+from specd.workers.drafters.versions import META_FILE, held_out_acceptance
 from specd.workers.engine.runner import ModelRunner, resolve_decode, resolve_dtype
 from specd.workers.models.loader import default_cache_dir
 
@@ -62,14 +62,9 @@ def read_drafter_version(path: str | Path) -> str:
 
 
 def read_held_out_acceptance(path: str | Path) -> float | None:
-    """The share of held-out target tokens the drafter's greedy choice matched when it was trained (its
-    specd_drafter.json: train.eval_after.greedy_match), about what its first drafts get accepted; None
-    where the record lacks it (a drafter from elsewhere, or an online version's record)."""
+    """held_out_acceptance(meta) of a drafter directory's specd_drafter.json; None without one."""
     meta = Path(path) / META_FILE
-    if not meta.exists():
-        return None
-    match = json.loads(meta.read_text()).get("train", {}).get("eval_after", {}).get("greedy_match")
-    return float(match) if isinstance(match, int | float) and 0.0 <= match <= 1.0 else None
+    return held_out_acceptance(json.loads(meta.read_text())) if meta.exists() else None
 
 
 # Feeds of at most this many tokens catch up together in one forward; longer ones (prompts, long stretches
@@ -451,10 +446,10 @@ class ModelDrafter(Drafter):
         self.held_out_acceptance = read_held_out_acceptance(path)
         return self.version
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], version: str) -> str:
-        """Hot-swap to verified HF-named tensors (workers/engine/hot_swap.py); same caveat as load()."""
+    def load_tensors(self, tensors: dict[str, torch.Tensor], version: str, meta: dict | None = None) -> str:
+        """Hot-swap to verified HF-named tensors (workers/engine/hot_swap.py) of a version whose record is
+        `meta`; same caveat as load()."""
         self.runner.load_weights(tensors)
         self.version = version
-        # an online version: its gate measured it on replayed traffic, not the held-out prompts
-        self.held_out_acceptance = None
+        self.held_out_acceptance = held_out_acceptance(meta or {})
         return version

@@ -136,6 +136,19 @@ def read_meta(vdir: str | Path) -> dict:
         raise VersionError(f"{vdir}: unreadable {META_FILE}: {exc}") from exc
 
 
+def held_out_acceptance(meta: dict) -> float | None:
+    """The share of target tokens the drafter's greedy choice matched on data it was not trained on, about
+    what its first drafts get accepted: the version's own `held_out_acceptance` (an online version: its
+    gate's score on held-out replayed traffic; the trainer copies a base drafter's), else the bootstrap's
+    train.eval_after.greedy_match; None where the record has neither (a drafter from elsewhere). The
+    planner seeds its acceptance counts with it: a flat prior instead had a swapped-in version draft far
+    more than it earned (docs/decisions/version-acceptance-prior.md)."""
+    match = meta.get("held_out_acceptance")
+    if match is None:
+        match = meta.get("train", {}).get("eval_after", {}).get("greedy_match")
+    return float(match) if isinstance(match, int | float) and 0.0 <= match <= 1.0 else None
+
+
 def load_version(vdir: str | Path, target_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(full HF-named tensors, meta) of a published version, verified; raises VersionError."""
     vdir = Path(vdir)

@@ -273,8 +273,8 @@ class DraftWorker:
         # Called first thing in a step's call: every draft of that call comes from one version.
         ready = self._swapper.take() if self._swapper is not None else None
         if ready is not None:
-            version, tensors = ready
-            self.drafter.weights_drafter.load_tensors(tensors, version)
+            version, tensors, meta = ready
+            self.drafter.weights_drafter.load_tensors(tensors, version, meta)
             self._swapper.applied(version)
             # The counts measured the old weights. Kept, they seeded new requests with what the old version
             # achieved, and where that was too little to draft (HumanEval after GSM8K in `specd bench osd`)

@@ -39,7 +39,7 @@ class DrafterSwapper:
         self.rejected: dict[str, str] = {}       # version -> reason
         self.pin: str | None = None              # serve this version, not CURRENT (drafter.version_pin)
         self.swaps = 0
-        self._ready: tuple[str, dict[str, torch.Tensor]] | None = None
+        self._ready: tuple[str, dict[str, torch.Tensor], dict] | None = None   # version, tensors, meta
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specd-drafter-swap", daemon=True)
@@ -68,7 +68,7 @@ class DrafterSwapper:
         if not wanted or wanted in (self.serving, parked) or wanted in self.rejected:
             return None
         try:
-            tensors, _ = load_version(self.source.version_dir(wanted), self.target_dir)
+            tensors, meta = load_version(self.source.version_dir(wanted), self.target_dir)
             check_fits(self.model, tensors)
         except SourceUnavailable:      # Redis away while downloading: not the version's fault, next poll
             return None
@@ -83,10 +83,10 @@ class DrafterSwapper:
             # version's figures.
             if wanted != (self.pin or wanted):
                 return None
-            self._ready = (wanted, tensors)
+            self._ready = (wanted, tensors, meta)
         return wanted
 
-    def take(self) -> tuple[str, dict[str, torch.Tensor]] | None:
+    def take(self) -> tuple[str, dict[str, torch.Tensor], dict] | None:
         """The verified version waiting to be applied, if any (the worker calls this between steps); none
         when a pin names another version."""
         with self._lock:

@@ -44,3 +44,13 @@ def test_catch_up_batches_feeds_of_alike_length(tiny_llama_dir, monkeypatch):
     out = drafter.propose(list(committed), [2] * 4, [SamplingParams()] * 4)
     assert sorted(calls) == [[4], [19, 21], [49]]
     assert [len(t) for t in out.tokens] == [2] * 4
+
+
+def test_a_versions_own_held_out_acceptance_wins_over_its_bootstrap_record():
+    from specd.workers.drafters.versions import held_out_acceptance
+
+    boot = {"train": {"eval_after": {"greedy_match": 0.1}}}
+    assert held_out_acceptance(boot) == 0.1
+    assert held_out_acceptance({**boot, "held_out_acceptance": 0.25}) == 0.25   # an online version's gate
+    assert held_out_acceptance({}) is None
+    assert held_out_acceptance({"held_out_acceptance": 1.5}) is None            # not a probability

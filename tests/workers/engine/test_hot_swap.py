@@ -55,8 +55,19 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
     assert worker.swap_stats()["version"] == good and worker.swap_stats()["swaps"] == 1
     assert not torch.equal(worker.drafter.weights_drafter.runner.model.lm_head.weight, head_before)
     # ... the new version's acceptance is measured afresh from the prior, not seeded with the old one's
-    # (the online version carries no held-out figure: the default prior)
+    # (this version's record carries no held-out figure: the default prior)
     assert worker.positions[True].alpha()[0] == DEFAULT_PRIOR > low
+    assert worker.drafter.held_out_acceptance is None
+
+    # A version whose record carries its held-out acceptance (the trainer's gate score) is expected to
+    # draft at that rate: the flat prior had a weak swapped-in version draft far more than it earned.
+    scored = _publish(store, token_dir, tiny_llama_dir, held_out_acceptance=0.17)
+    assert swapper.check() == scored
+    worker.propose([])
+    assert worker.swap_stats()["version"] == scored
+    assert worker.drafter.held_out_acceptance == 0.17
+    assert worker.positions[True].alpha()[0] == pytest.approx(0.17)
+    good = scored
 
     caplog.set_level(logging.WARNING, logger="specd.workers.engine.hot_swap")
     corrupt = _publish(store, token_dir, tiny_llama_dir)
