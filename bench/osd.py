@@ -109,6 +109,7 @@ async def run_stream(
                 "drafted": drafted,
                 "accepted": accepted,
                 "alpha": accepted / drafted if drafted else 0.0,
+                "tokens_per_step": usage.get("tokens_per_step", 0.0),
                 "versions": list(usage.get("drafter_versions", [])),
                 "done_at": time.time(),
             }
@@ -361,6 +362,10 @@ def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Pat
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.arms:
+        from specd.bench.osd_arms import run_arms
+
+        return run_arms(args)
     from specd.configs import load_config
     from specd.workers.models.loader import ensure_target_model
 
@@ -509,6 +514,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--clients", type=int, default=2, help="concurrent streaming clients")
     parser.add_argument("--gamma", type=int, default=3, help="draft length of the held-out evaluation")
+    parser.add_argument("--arms", default="",
+                        help="compare arms instead of trainer on/off (bench/osd_arms.py): any of "
+                             "suffix-frozen,default-online,model-online; --domains may include openchat")
     parser.add_argument("--modes", default="on,off",
                         help="trainer modes to run, in order (default on,off; '' = held-out evaluation only)")
     parser.add_argument("--reference", default=None, metavar="DIR",
