@@ -12,7 +12,8 @@ A table sits between two marker comments; the first names the table's kind and i
 Kinds (extra `key=value` words filter rows): engine-grid (the paired ratio of every speculative
 specd system per workload x temperature row and batch column), engine-systems (one row per system
 and cell: tok/s, α, tokens per step, ratios), serve (`specd bench serve` phases), osd (`specd bench
-osd` held-out acceptance), soak (`specd bench soak`). tests/test_docs.py runs --check's logic.
+osd` held-out acceptance), osd-arms (`specd bench osd --arms`), soak (`specd bench soak`).
+tests/test_docs.py runs --check's logic.
 """
 
 from __future__ import annotations
@@ -167,6 +168,35 @@ def osd(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(tails)
 
 
+def osd_arms(root: Path, files: list[str], where: dict[str, str]) -> str:
+    lines = ["| file | domain | arm | held-out speed-up before → after | α before → after | "
+             "tokens/step before → after | stream α | stream tok/s | versions | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    tails = []
+    for name in files:
+        doc = _load(root, name)
+        for domain, arms in doc["summary"].items():
+            for arm, r in arms.items():
+                if arm == "b_over_a" or not _keep({"arm": arm, "domain": domain}, where):
+                    continue
+                lines.append(
+                    f"| `{Path(name).name}` | {domain} | {arm} | {r['speedup_before']:.2f}x → "
+                    f"{r['speedup_after']:.2f}x | {r['alpha_before']:.3f} → {r['alpha_after']:.3f} | "
+                    f"{r['tokens_per_step_before']:.2f} → {r['tokens_per_step_after']:.2f} | "
+                    f"{r['stream_alpha']:.3f} | {r['stream_tokens_per_s']:.1f} | {r['versions_published']} | "
+                    f"{r['failed_requests']} |")
+            if "b_over_a" in arms:
+                b = arms["b_over_a"]
+                tails.append(f"`{Path(name).name}`, {domain}: default-online / suffix-frozen held-out speed "
+                             f"after {b['heldout_speed_after']:.2f}x, stream throughput "
+                             f"{b['stream_throughput']:.2f}x.")
+        m = doc["meta"]
+        tails.append(f"`{Path(name).name}`: {m['requests_per_domain']} stream requests, "
+                     f"{m['heldout_per_phase']} held-out prompts before and {m['heldout_per_phase']} after, "
+                     f"{m['max_new_tokens']} tokens, {m['clients']} clients, {m['duration_s'] / 60:.0f} min.")
+    return "\n".join(lines) + "\n\n" + "\n".join(tails)
+
+
 def soak(root: Path, files: list[str], where: dict[str, str]) -> str:
     out = []
     for name in files:
@@ -183,7 +213,7 @@ def soak(root: Path, files: list[str], where: dict[str, str]) -> str:
 
 
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
-         "soak": soak}
+         "osd-arms": osd_arms, "soak": soak}
 
 
 def sources(spec: str) -> list[str]:
