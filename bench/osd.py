@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import shutil
 import sys
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specd.bench.osd_versions import published_events, serving_at_domain_end, swap_events
 from specd.bench.report import save_figure
 from specd.bench.serve import ServerProcess
 from specd.cluster.client import AsyncSpecdClient
@@ -134,19 +134,6 @@ async def run_stream(
     }
 
 
-def swap_events(rows: list[dict | None]) -> list[dict]:
-    """The first request (by index) drafted by each version after the first one."""
-    seen: set[str] = set()
-    events = []
-    for r in rows:
-        for v in (r or {}).get("versions", []):
-            if v not in seen:
-                if seen:
-                    events.append({"index": r["index"], "version": v})
-                seen.add(v)
-    return events
-
-
 def heldout_acceptance(
     overrides: list[str], store: Path | None, per_domain: int, max_new_tokens: int,
     after: dict[str, str] | None = None, gamma: int = 3, domains: tuple[str, ...] = DOMAINS,
@@ -230,71 +217,6 @@ def _ratio(part: int, whole: int) -> float:
     return round(part / whole, 4) if whole else 0.0
 
 
-def serving_at_domain_end(rows: list[dict | None], store: Path | None = None,
-                          swap_delay_s: float = 0.0) -> dict[str, str]:
-    """The drafter version serving when each domain's stream segment ended.
-
-    With the trainer's `store`: the newest version published at least `swap_delay_s` before the
-    segment's last request finished (the server polls the store and applies a version between steps).
-    Without it, or when the store's CURRENT is not its newest version (a rollback, whose time the store
-    does not keep): the version that drafted the segment's last drafted request. That one alone
-    understates: where the goodput policy stopped drafting with the model drafter, the last version to
-    draft may have been replaced long before (docs/decisions/osd-evaluation.md)."""
-    drafted: dict[str, str] = {}
-    ended: dict[str, float] = {}
-    for r in rows:
-        if r and r.get("versions"):
-            drafted[r["domain"]] = r["versions"][-1]
-        if r and "done_at" in r:
-            ended[r["domain"]] = max(ended.get(r["domain"], 0.0), r["done_at"])
-    from specd.workers.drafters.versions import read_current
-
-    published = _published_times(store) if store is not None else []
-    if not published or published[-1][1] != read_current(store):
-        return drafted
-    out = dict(drafted)
-    for domain, end in ended.items():
-        live = [v for t, v in published if t <= end - swap_delay_s]
-        if live:
-            out[domain] = live[-1]
-    return out
-
-
-def published_events(rows: list[dict | None], store: Path, swap_delay_s: float) -> list[dict]:
-    """Each version the trainer published during the stream, at the first request that finished at least
-    `swap_delay_s` after it was published: when it served, whether or not the model drafter then drafted
-    (`swap_events` sees only versions that drafted). `records_seen`: the records the trainer had read when
-    it published the version; the requests finished by then, less that, are how far behind it was."""
-    from specd.workers.drafters.versions import VERSIONS_DIR, read_meta
-
-    done = sorted((r["done_at"], r["index"]) for r in rows if r and "done_at" in r)
-    events = []
-    for t, version in _published_times(store):
-        meta = read_meta(Path(store) / VERSIONS_DIR / version)
-        if meta.get("parent_version") is None:
-            continue                                # the starting drafter, published at start-up
-        later = [i for d, i in done if d >= t + swap_delay_s]
-        if later:
-            events.append({"index": later[0], "version": version,
-                           "records_seen": meta.get("records_seen"),
-                           "requests_done": sum(1 for d, _ in done if d <= t)})
-    return events
-
-
-def _published_times(store: Path) -> list[tuple[float, str]]:
-    """(publish time, version) of every version in the store, oldest first (`created` has whole seconds:
-    each is taken as published at the end of its second)."""
-    from specd.workers.drafters.versions import VERSIONS_DIR, read_meta
-
-    out = []
-    root = Path(store) / VERSIONS_DIR
-    for vdir in root.iterdir() if root.is_dir() else []:
-        created = read_meta(vdir).get("created") if vdir.is_dir() and not vdir.name.startswith(".") else None
-        if created:
-            out.append((dt.datetime.fromisoformat(created).timestamp() + 1.0, vdir.name))
-    return sorted(out)
-
-
 def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> str:
     """The drafter both runs start from: the quick one (built when missing) or the bootstrapped one."""
     from specd.cluster.first_start import quick_drafter_dirs
@@ -366,20 +288,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from specd.bench.osd_arms import run_arms
 
         return run_arms(args)
-    from specd.configs import load_config
-    from specd.workers.models.loader import ensure_target_model
-
-    if args.quick:
-        args.requests_per_domain, args.heldout = min(args.requests_per_domain, 6), min(args.heldout, 2)
-        args.max_new_tokens = min(args.max_new_tokens, 16)
-    overrides = list(args.overrides)
-    cfg = load_config(overrides)
-    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
-    drafter = args.drafter or start_drafter(args.from_offline, cfg.cache_dir, model_dir)
-    work = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-osd-"))
-    work.mkdir(parents=True, exist_ok=True)
-    # A stream of what the drafter never saw, where the split allows (the offline drafter saw it all).
-    seen = frozenset() if args.drafter else bootstrap_prompts(args.from_offline)
+    overrides, cfg, drafter, work, seen = prepare(args, "specd-bench-osd-")
     domains = tuple(d for d in args.domains.split(",") if d)
     unknown = set(domains) - set(DOMAINS)
     if unknown or not domains:
@@ -458,6 +367,26 @@ def run_bench(args: argparse.Namespace) -> int:
         write_json(Path(args.json), args, heldout, failed, tput, runs, (drafter, reference), overrides,
                    started, work)
     return 0
+
+
+def prepare(args: argparse.Namespace, prefix: str) -> tuple[list[str], Any, str, Path, frozenset]:
+    """(overrides, config, starting drafter, work dir, the prompts that drafter was trained on), shared by
+    the on/off run and the arms; --quick shrinks the run first."""
+    from specd.configs import load_config
+    from specd.workers.models.loader import ensure_target_model
+
+    if args.quick:
+        args.requests_per_domain, args.heldout = min(args.requests_per_domain, 6), min(args.heldout, 2)
+        args.max_new_tokens = min(args.max_new_tokens, 16)
+    overrides = list(args.overrides)
+    cfg = load_config(overrides)
+    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
+    drafter = args.drafter or start_drafter(args.from_offline, cfg.cache_dir, model_dir)
+    work = Path(args.log_dir or tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    # A stream of what the drafter never saw, where the split allows (the offline drafter saw it all).
+    seen = frozenset() if args.drafter else bootstrap_prompts(args.from_offline)
+    return overrides, cfg, drafter, work, seen
 
 
 def reference_drafter(args: argparse.Namespace, start: str, cache_dir: str | None) -> str | None:

@@ -28,7 +28,6 @@ import asyncio
 import json
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -103,7 +102,8 @@ async def heldout_speed(address: str, prompts: list[Any], max_new_tokens: int, d
 def run_arm(arm: str, domain: str, args: argparse.Namespace, base: list[str], work: Path,
             stream: list[tuple[str, Any]], before: list[Any], after: list[Any]) -> dict[str, Any]:
     """One arm on one domain: a fresh server; held-out speed, the stream, held-out speed again."""
-    from specd.bench.osd import SWAP_DELAY_S, published_events, run_stream, wait_for_trainer
+    from specd.bench.osd import SWAP_DELAY_S, run_stream, wait_for_trainer
+    from specd.bench.osd_versions import published_events
     from specd.bench.serve import ServerProcess
 
     store = work / f"store-{domain}-{arm}"
@@ -201,24 +201,13 @@ def write_plot(path: Path, results: list[dict[str, Any]]) -> Path:
 
 
 def run_arms(args: argparse.Namespace) -> int:
-    from specd.bench.osd import bootstrap_prompts, start_drafter, stream_prompts
-    from specd.configs import load_config
-    from specd.workers.models.loader import ensure_target_model
+    from specd.bench.osd import prepare, stream_prompts
 
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"--arms: choose from {', '.join(ARMS)} (got {', '.join(sorted(unknown))})")
-    if args.quick:
-        args.requests_per_domain, args.heldout = min(args.requests_per_domain, 6), min(args.heldout, 2)
-        args.max_new_tokens = min(args.max_new_tokens, 16)
-    overrides = list(args.overrides)
-    cfg = load_config(overrides)
-    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
-    drafter = args.drafter or start_drafter(args.from_offline, cfg.cache_dir, model_dir)
-    work = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-osd-arms-"))
-    work.mkdir(parents=True, exist_ok=True)
-    seen = frozenset() if args.drafter else bootstrap_prompts(args.from_offline)
+    overrides, cfg, drafter, work, seen = prepare(args, "specd-bench-osd-arms-")
     base = [*overrides, f"drafter.path={drafter}", "server.port=0", "server.metrics_port=0",
             f"server.max_running={max(args.clients, cfg.server.max_running)}"]
     started = time.time()

@@ -8,13 +8,11 @@ from specd.bench.osd import (
     DOMAINS,
     bootstrap_prompts,
     heldout_overrides,
-    published_events,
     reference_drafter,
-    serving_at_domain_end,
     stream_prompts,
-    swap_events,
     write_plot,
 )
+from specd.bench.osd_versions import published_events, serving_at_domain_end, swap_events
 
 
 def test_stream_is_gsm8k_then_humaneval_from_the_train_split() -> None:
