@@ -123,12 +123,13 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
     if drafter_kind(None) == "model":  # the n-gram drafter's trees are chains
         tree = c.generate(PROMPTS[0], max_new_tokens=24, tree_width=2, gamma=3)
         assert tree.usage["drafted"] > 3 * tree.usage["steps"], "a tree, not a chain of γ = 3"
-    # A seeded request reproduces with speculation off: its draws come from its own generator only. With
-    # speculation on they follow the drafts, which follow what the server has served and measured (the
-    # suffix index, drafter versions), so two runs may differ: keyed sampling is issue 38's open part.
-    seeded = dict(max_new_tokens=12, temperature=0.8, seed=7, speculation=False)
+    # A seeded request's text is a function of its seed and prompt (keyed sampling, workers/core/keyed.py):
+    # the same with speculation on, under the default γ policy that follows measured time, and off.
+    seeded = dict(max_new_tokens=24, temperature=0.8, seed=7)
     sampled = [c.generate(PROMPTS[0], **seeded).token_ids for _ in range(2)]
-    assert sampled[0] == sampled[1]
+    sampled.append(c.generate(PROMPTS[0], **seeded, speculation=False).token_ids)
+    sampled.append(c.generate(PROMPTS[0], **seeded, gamma=4, gamma_policy="fixed").token_ids)
+    assert sampled[0] == sampled[1] == sampled[2] == sampled[3]
 
 
 def test_greedy_output_matches_transformers(server) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from specd.workers.core.keyed import keyed_race, seeds_tensor
 from specd.workers.core.sampling import SEED_RANGE, logits_to_probs, make_generator, params_to_tensors, sample
 from specd.workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
 from specd.workers.drafters.registry import register_drafter
@@ -262,6 +263,8 @@ class ModelDrafter(Drafter):
         qs: list[list[torch.Tensor]] = [[] for _ in request_ids]
         active = [i for i, g in enumerate(gammas) if g > 0]
         self._catch_up([seqs[i] for i in active])
+        # absolute position of each row's first draft (the cache holds all but the feed's newest token)
+        first_at = {i: self.runner.length(seqs[i].slot) + len(seqs[i].feed) for i in active}
         inputs = {i: seqs[i].feed for i in active}
         feats = {i: seqs[i].feed_hidden for i in active}
         while active:
@@ -282,6 +285,12 @@ class ModelDrafter(Drafter):
             else:
                 q = self._q(logits, [params[i] for i in active])                # [b, V']
                 picked = sample(q, [seqs[i].generator for i in active], greedy)  # [b]
+                keyed = [j for j, i in enumerate(active) if _is_keyed(params[i])]
+                if keyed:
+                    # coupled drafting: race q with the noise the target samples this position with
+                    rows = [active[j] for j in keyed]
+                    picked[keyed] = self._keyed(q[keyed], [params[i].seed for i in rows],
+                                                [first_at[i] + len(tokens[i]) for i in rows])[:, 0]
             ids = self._to_target_ids(picked)
             still = []
             for j, i in enumerate(active):
@@ -374,7 +383,11 @@ class ModelDrafter(Drafter):
                 q = self._q(logits[j, nodes], [params[i]] * len(nodes))        # [len(nodes), V']
                 new_frontier = []
                 for k, node in enumerate(nodes):
-                    for tok, qc in self._children(q[k], width, params[i], seqs[i].generator):
+                    # the children sit at depth level + 1: absolute position starts[j] + 1 + level
+                    children = (self._keyed_children(q[k], width, params[i].seed, starts[j] + 1 + level)
+                                if _is_keyed(params[i]) else
+                                self._children(q[k], width, params[i], seqs[i].generator))
+                    for tok, qc in children:
                         trees[i][0].append(tok)
                         trees[i][1].append(node)
                         q_child[i].append(qc)
@@ -412,6 +425,21 @@ class ModelDrafter(Drafter):
             out.append((self._to_target_ids(tok[None])[0], qc))
             remaining[tok] = 0.0
         return out
+
+    def _keyed(self, q: torch.Tensor, seeds: list[int], positions: list[int], k: int = 1) -> torch.Tensor:
+        """q [R, V'] raced with the target's keyed noise (workers/core/keyed.py) over the head's target ids:
+        the top k head columns per row [R, k], best first."""
+        at = torch.tensor(positions, dtype=torch.long, device=q.device)
+        return keyed_race(q, seeds_tensor(seeds, q.device), at, self.vocab_ids, k=k)
+
+    def _keyed_children(self, q: torch.Tensor, width: int, seed: int, position: int):
+        """A seeded request's `width` children of a node: the top `width` of q's keyed race at the
+        children's position (Gumbel-top-k, an ordered sample without replacement from q), so the first
+        child is the target's own sample whenever the two races agree. (target id, None): the target
+        verifies seeded rows against its keyed samples and reads no q."""
+        width = min(width, int((q > 0).sum()))
+        top = self._keyed(q[None], [seed], [position], k=width)[0]
+        return [(tok, None) for tok in self._to_target_ids(top)]
 
     def _tree_result(self, seqs, trees, q_child, params) -> DraftTree:
         tokens, parents, probs_rows = [], [], []
@@ -453,3 +481,8 @@ class ModelDrafter(Drafter):
         self.version = version
         self.held_out_acceptance = held_out_acceptance(meta or {})
         return version
+
+
+def _is_keyed(sampling) -> bool:
+    """Seeded sampled requests draft with the target's keyed noise (workers/core/keyed.py)."""
+    return sampling.seed is not None and not sampling.is_greedy

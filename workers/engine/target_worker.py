@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from specd.workers.core.keyed import keyed_sample
 from specd.workers.core.sampling import (
     SamplingParams,
     logits_to_probs,
@@ -138,6 +139,13 @@ class TargetWorker:
                 generators = [make_generator(p.seed) or self.unseeded for p in params]
                 probs = self._probs(logits[:, None, :], params)[:, 0]                      # [b, vocab]
                 first = sample(probs, generators, [p.is_greedy for p in params]).tolist()
+                keyed = [i for i, p in enumerate(params) if _is_keyed(p)]
+                if keyed:
+                    # a seeded row's first token is its keyed sample at position len(prompt)
+                    won = keyed_sample(probs[keyed], [params[i].seed for i in keyed],
+                                       [len(requests[i].prompt_token_ids) for i in keyed]).tolist()
+                    for i, tok in zip(keyed, won, strict=True):
+                        first[i] = tok
         except Exception:
             for slot in slots:
                 self.runner.free(slot)
@@ -197,7 +205,12 @@ class TargetWorker:
                 results.update(self._verify_greedy(greedy, drafts, runs, starts, logits, hidden))
             if len(greedy) < len(runs):
                 p = self._probs(logits, [r.sampling for r in runs])   # [b, n_max, vocab]
-                sampled = [i for i in range(len(runs)) if not runs[i].sampling.is_greedy]
+                keyed = [i for i, r in enumerate(runs) if _is_keyed(r.sampling)]
+                if keyed:
+                    samples = self._keyed_samples(keyed, drafts, starts, p, runs)
+                    results.update(self._verify_by_choice(keyed, samples, drafts, runs, starts, hidden))
+                sampled = [i for i in range(len(runs))
+                           if not runs[i].sampling.is_greedy and not _is_keyed(runs[i].sampling)]
                 chains = [i for i in sampled if drafts[i].parents is None]
                 trees = [i for i in sampled if drafts[i].parents is not None]
                 if chains:
@@ -216,23 +229,47 @@ class TargetWorker:
         return logits_to_probs(logits.float(), temperature, top_k, top_p)
 
     def _verify_greedy(self, rows, drafts, runs, starts, logits, hidden) -> dict[int, VerifyResult]:
-        """Greedy rows, chains and trees alike, from the argmax of their logits alone.
-
-        A greedy row's p is one-hot on the argmax of its logits (sampling.logits_to_probs), so the
-        verifiers accept a chain's draft, or a tree node's first child in stored order, exactly when it
-        equals the argmax at its parent, and emit the argmax where the walk stops: the same outcome
-        without p over the vocabulary or a walk on the device. One device-to-host read for the batch
-        (each read is a GPU synchronisation), then host lists.
-        """
+        """Greedy rows: the target's choice after every node is the argmax of its logits (one
+        device-to-host read for the batch; each read is a GPU synchronisation)."""
         n = max(1 + len(drafts[i].tokens) for i in rows)
         picked = logits[:, :n] if len(rows) == logits.shape[0] else logits[rows, :n]
-        best = picked.argmax(dim=-1).tolist()                                  # [g, n]
+        return self._verify_by_choice(rows, picked.argmax(dim=-1).tolist(), drafts, runs, starts, hidden)
+
+    def _keyed_samples(self, rows, drafts, starts, p, runs) -> list[list[int]]:
+        """The target's keyed sample (workers/core/keyed.py) after the root and after every draft node of
+        each seeded row: node j's next token sits at absolute position start + 1 + depth(j). One
+        device-to-host read for the batch."""
+        flat_rows, flat_nodes, seeds, positions, sizes = [], [], [], [], []
+        for i in rows:
+            depths = _node_depths(drafts[i])
+            flat_rows += [i] * len(depths)
+            flat_nodes += range(len(depths))
+            seeds += [runs[i].sampling.seed] * len(depths)
+            positions += [starts[i] + 1 + d for d in depths]
+            sizes.append(len(depths))
+        won = keyed_sample(p[flat_rows, flat_nodes], seeds, positions).tolist()
+        out, at = [], 0
+        for size in sizes:
+            out.append(won[at : at + size])
+            at += size
+        return out
+
+    def _verify_by_choice(self, rows, choices, drafts, runs, starts, hidden) -> dict[int, VerifyResult]:
+        """Rows whose target token after every node is already chosen (`choices[j][node]`), chains and trees
+        alike: greedy rows (the argmax of their logits) and seeded sampled rows (their keyed samples).
+
+        A draft, or a tree node's first child in stored order, is accepted exactly when it equals the
+        target's choice after its parent, and the choice where the walk stops is emitted. For greedy
+        rows this is what the residual verifiers do with one-hot p (sampling.logits_to_probs), without p
+        over the vocabulary or a walk on the device; for seeded rows it is keyed sampling's rule.
+        """
         states = None
         if hidden is not None:
+            n = max(1 + len(drafts[i].tokens) for i in rows)
             states = (hidden[:, :n] if len(rows) == hidden.shape[0] else hidden[rows, :n]).float().cpu()
         results = {}
         for j, i in enumerate(rows):
-            d, run, top = drafts[i], runs[i], best[j]
+            d, run, top = drafts[i], runs[i], choices[j]
             if d.parents is None:
                 accepted = 0
                 while accepted < len(d.tokens) and d.tokens[accepted] == top[accepted]:
@@ -244,7 +281,7 @@ class TargetWorker:
                 bonus = accepted == len(d.tokens)
                 res = VerifyResult(d.request_id, len(d.tokens), accepted, new_tokens, bonus)
             else:
-                path, leaf, depth = _greedy_tree_path(d, top)
+                path, leaf, depth = _tree_path_by_choice(d, top)
                 new_tokens = [*(d.tokens[c - 1] for c in path), top[path[-1] if path else 0]]
                 self.runner.keep_tree_path(run.slot, starts[i], [0, *path])
                 res = VerifyResult(d.request_id, len(d.tokens), len(path), new_tokens, leaf,
@@ -344,9 +381,25 @@ class TargetWorker:
         return results
 
 
-def _greedy_tree_path(draft: Draft, top: list[int]) -> tuple[list[int], bool, int]:
-    """(accepted nodes, stopped at a leaf, the tree's depth) of a greedy tree walk: from the root, the
-    first child (in stored order) whose token is the argmax `top[node]`, until none is."""
+def _is_keyed(sampling: SamplingParams) -> bool:
+    """Seeded sampled rows are sampled by keyed noise (workers/core/keyed.py); the rest as before."""
+    return sampling.seed is not None and not sampling.is_greedy
+
+
+def _node_depths(draft: Draft) -> list[int]:
+    """Depth of the root (0, the pending token) and of each draft node: a chain's node j is at depth j."""
+    if draft.parents is None:
+        return list(range(len(draft.tokens) + 1))
+    depth = [0] * len(draft.parents)
+    for node in range(1, len(draft.parents)):
+        depth[node] = depth[draft.parents[node]] + 1
+    return depth
+
+
+def _tree_path_by_choice(draft: Draft, top: list[int]) -> tuple[list[int], bool, int]:
+    """(accepted nodes, stopped at a leaf, the tree's depth) of a tree walk by the target's choices: from
+    the root, the first child (in stored order) whose token is the target's choice `top[node]`, until
+    none is."""
     parents = draft.parents
     children: dict[int, list[int]] = {}
     depth = [0] * len(parents)

@@ -105,8 +105,11 @@ def exact_joint(target: TargetWorker, sampling: SamplingParams) -> dict[tuple[in
     return joint
 
 
-def engine_counts(target, drafter, sampling, spec, samples: int = SAMPLES) -> Counter:
-    reqs = [NewRequest(f"x{i}", PROMPT, sampling, DEPTH + 1, spec) for i in range(samples)]
+def engine_counts(target, drafter, sampling, spec, samples: int = SAMPLES, seeded: bool = False) -> Counter:
+    """seeded: request i carries seed i (keyed sampling, workers/core/keyed.py); else unseeded (the
+    residual rule)."""
+    reqs = [NewRequest(f"x{i}", PROMPT, dataclasses.replace(sampling, seed=i) if seeded else sampling,
+                       DEPTH + 1, spec) for i in range(samples)]
     seqs = SpecEngine(target, drafter).generate(reqs, ignore_eos=True)
     assert sum(s.stats.drafted for s in seqs) > samples, "the engine must have drafted"
     return Counter(tuple(s.output[:DEPTH]) for s in seqs)
@@ -146,3 +149,31 @@ def test_the_same_test_fails_on_a_broken_verifier(workers, case, monkeypatch):
     pvalue = chi_square_pvalue(counts, exact_joint(target, sampling))
     print(f"{case}, broken verifier: p-value {pvalue:.3g}")
     assert pvalue < 1e-6, f"{case}: the broken verifier passed (p-value {pvalue:.2e})"
+
+
+@pytest.mark.parametrize("case", ["chain", "hidden-tree"])
+def test_seeded_output_has_the_target_distribution(workers, case):
+    """Over seeds, keyed sampling (accept a draft iff it is the target's keyed sample) is target sampling."""
+    target, drafter = workers[0], _drafter(workers[1], case)
+    sampling, spec = CASES[case]
+    counts = engine_counts(target, drafter, sampling, spec, seeded=True)
+    pvalue = chi_square_pvalue(counts, exact_joint(target, sampling))
+    print(f"{case}, seeded: p-value {pvalue:.3g}")
+    assert pvalue > 1e-3, f"{case}: p-value {pvalue:.2e}: seeded tokens are not target-distributed"
+
+
+def test_the_seeded_test_fails_when_positions_share_their_noise(workers, monkeypatch):
+    """An off-by-position key (every position of a request raced with the same noise) correlates a
+    request's tokens: the same test must reject it."""
+    from specd.workers.core.keyed import keyed_sample
+    from specd.workers.engine import target_worker
+
+    monkeypatch.setattr(target_worker, "keyed_sample",
+                        lambda probs, seeds, positions, vocab_ids=None: keyed_sample(
+                            probs, seeds, [0] * len(positions), vocab_ids))
+    target, drafter = workers[0], _drafter(workers[1], "chain")
+    sampling, spec = CASES["chain"]
+    counts = engine_counts(target, drafter, sampling, spec, SAMPLES // 2, seeded=True)
+    pvalue = chi_square_pvalue(counts, exact_joint(target, sampling))
+    print(f"chain, noise shared by positions: p-value {pvalue:.3g}")
+    assert pvalue < 1e-6, f"the shared-noise verifier passed (p-value {pvalue:.2e})"
