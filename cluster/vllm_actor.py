@@ -46,11 +46,12 @@ class FinishOut:
 class VllmTarget:
     """The actor's class (wrapped with ray.remote by the scheduler's bring-up); usable in-process too."""
 
-    def __init__(self, cfg, teacher_topk: int = 0):
+    def __init__(self, cfg, teacher_topk: int = 0, versions: str | dict | None = None):
+        """versions: the published version store the proposer's drafter follows (None: it keeps its own)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from specd.workers.engine.vllm_engine import VllmEngine
 
-        self.engine = VllmEngine(cfg, teacher_topk=teacher_topk)
+        self.engine = VllmEngine(cfg, teacher_topk=teacher_topk, versions=versions)
         self._lock = threading.Condition()            # the engine and the live set
         self._events: list[TokensOut | FinishOut] = []
         self._events_cv = threading.Condition()

@@ -39,14 +39,20 @@ async def bring_up_vllm(cfg, res, install_signals):
     for limit in vllm_limits(cfg):
         log.warning("target.backend=vllm does not apply %s", limit)
     if cfg.replay.enabled:
-        log.warning("target.backend=vllm: replay records and drafter version following are not wired yet; "
-                    "serving with the drafter the proposer loads at start")
+        log.warning("target.backend=vllm: replay records and the online trainer are not wired yet; the "
+                    "proposer follows the versions published to Redis")
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
+    versions = None
+    if cfg.replay.enabled:
+        from specd.cluster.serve import _publish_first_version
+
+        # Redis carries the versions, as for DraftWorkers (docs/decisions/drafter-versions-redis.md)
+        versions = await asyncio.to_thread(_publish_first_version, cfg, res, str(model_dir))
     remote = ray.remote(VllmTarget).options(**actor_options(cfg))
-    res.vllm_actors = [remote.remote(cfg) for _ in range(cfg.target.replicas)]
+    res.vllm_actors = [remote.remote(cfg, 0, versions) for _ in range(cfg.target.replicas)]
     infos = await asyncio.gather(*[a.info.remote() for a in res.vllm_actors])
     for i, info in enumerate(infos):
         log.info("replica %d: vLLM engine up in %.1f s, speculation %s, drafter %s", i, info["load_s"],
