@@ -45,6 +45,10 @@ async def bring_up_vllm(cfg, res, install_signals):
     install_signals()
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
+    from specd.cluster.first_start import ensure_serving_drafter
+
+    # no bootstrapped drafter in the cache: the quick token-only one, as the torch path does (first_start.py)
+    await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
     versions = None
     if cfg.replay.enabled:
         from specd.cluster.serve import _publish_first_version
