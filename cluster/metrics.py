@@ -96,6 +96,9 @@ class SpecdMetrics(SchedulerObserver):
                                      ["replica", "drafter_version"], registry=r)
         self.busy = Gauge("specd_worker_busy_fraction", "Worker compute time / time with requests",
                           ["replica", "worker"], registry=r)
+        self.vllm_unfinished = Gauge("specd_vllm_unfinished_requests",
+                                     "vllm backend: requests the vLLM engine holds (running or queued)",
+                                     ["replica"], registry=r)
         self.overlap = Gauge("specd_pipeline_overlap_fraction",
                              "Least share of active time with drafting and verifying at once", ["replica"],
                              registry=r)
@@ -192,6 +195,8 @@ class SpecdMetrics(SchedulerObserver):
                 self.drafter_down.labels(replica).set(1.0 if s["drafter_down"] else 0.0)
             if "guard_allowed" in s:
                 self._set_guard(replica, s)
+            if "vllm_unfinished" in s:
+                self.vllm_unfinished.labels(replica).set(s["vllm_unfinished"])
             if "goodput_predicted" in s:
                 self.goodput_predicted.labels(replica).set(s["goodput_predicted"])
                 self.goodput_measured.labels(replica).set(s["goodput_measured"])

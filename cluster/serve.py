@@ -55,6 +55,7 @@ class _Resources:
     metrics_http: Any = None
     online: Any = None                  # specd.cluster.online.OnlineParts
     online_redis: Any = None            # (endpoint, managed server or None) before `online` takes it
+    vllm_actors: list = field(default_factory=list)   # target.backend=vllm: VllmTarget actors
     tasks: list[asyncio.Task] = field(default_factory=list)
     grace_s: float = 10.0               # server.shutdown_grace_s
 
@@ -92,14 +93,6 @@ class SignalStop:
 
 def serve(cfg: SpecdConfig, ready_callback=None) -> int:
     """Run the server until SIGINT/SIGTERM (main thread) or ServeHandle.stop(); returns an exit code."""
-    if cfg.target.backend != "torch":
-        # The router's scheduler drives draft and verify itself, step by step, over Ray actors; the vllm
-        # backend verifies inside vLLM's own scheduler (workers/engine/vllm_engine.py), which that
-        # pipeline cannot drive. Refuse rather than silently serve with the torch engine.
-        raise ValueError(
-            f"specd serve runs target.backend=torch only (got {cfg.target.backend!r}); the vllm backend "
-            "is available through specd.workers.engine.vllm_engine.VllmEngine and `specd bench engine`"
-        )
     return asyncio.run(_serve(cfg, ready_callback))
 
 
@@ -151,7 +144,12 @@ async def _bring_up(
     await res.grpc.start()
     log.info("gRPC on %s (NOT_SERVING while loading)", res.grpc.address)
 
-    model_dir, codec, infos, capacity = await _start_workers(cfg, res, install_signals)
+    if cfg.target.backend == "vllm":
+        from specd.cluster.vllm_serve import bring_up_vllm
+
+        model_dir, codec, infos, capacity = await bring_up_vllm(cfg, res, install_signals)
+    else:
+        model_dir, codec, infos, capacity = await _start_workers(cfg, res, install_signals)
     info = infos[0]
     log.info("workers up after %.1f s: %s on %d replica(s)", time.perf_counter() - t0, info["model"],
              len(infos))
@@ -161,21 +159,27 @@ async def _bring_up(
     from specd.cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
     from specd.cluster.replay import ObserverFanout
 
-    res.online = await asyncio.to_thread(start_online, cfg, str(model_dir),
-                                         [r.drafter for r in res.cluster.replicas], metrics.registry,
-                                         res.online_redis)
-    observer = ObserverFanout([metrics, res.online.recorder]) if res.online.recorder else metrics
-    res.scheduler = Scheduler(
-        [(r.target, r.drafter) for r in res.cluster.replicas],
-        capacity=capacity,
-        max_queue=cfg.server.max_queue,
-        max_running=cfg.server.max_running,
-        pipeline_groups=cfg.server.pipeline_groups,
-        eos_token_ids=info["eos_token_ids"],
-        observer=observer,
-        on_drafter_back=lambda i: follow_again(res.online, i, str(model_dir), cfg.drafter.version_pin),
-        guard_window_steps=cfg.spec.guard_window_steps,
-    )
+    vllm = cfg.target.backend == "vllm"
+    if vllm:
+        from specd.cluster.vllm_serve import vllm_scheduler
+
+        res.scheduler = vllm_scheduler(cfg, res, capacity, info, metrics)
+    else:
+        res.online = await asyncio.to_thread(start_online, cfg, str(model_dir),
+                                             [r.drafter for r in res.cluster.replicas], metrics.registry,
+                                             res.online_redis)
+        observer = ObserverFanout([metrics, res.online.recorder]) if res.online.recorder else metrics
+        res.scheduler = Scheduler(
+            [(r.target, r.drafter) for r in res.cluster.replicas],
+            capacity=capacity,
+            max_queue=cfg.server.max_queue,
+            max_running=cfg.server.max_running,
+            pipeline_groups=cfg.server.pipeline_groups,
+            eos_token_ids=info["eos_token_ids"],
+            observer=observer,
+            on_drafter_back=lambda i: follow_again(res.online, i, str(model_dir), cfg.drafter.version_pin),
+            guard_window_steps=cfg.spec.guard_window_steps,
+        )
     await res.scheduler.start()
     if cfg.server.warmup:
         await _warm_up(res.scheduler, codec, cfg, len(infos))
@@ -187,14 +191,15 @@ async def _bring_up(
         res.metrics_http, metrics_port = metrics.serve_http(cfg.server.metrics_port, cfg.server.host)
     res.tasks.append(asyncio.create_task(_poll_worker_stats(res.scheduler, metrics, res.online,
                                                             OnlineMetrics(metrics.registry))))
-    res.tasks.append(asyncio.create_task(follow_trainer(res.online, str(model_dir),
-                                                                cfg.drafter.version_pin)))
+    if res.online is not None:
+        res.tasks.append(asyncio.create_task(follow_trainer(res.online, str(model_dir),
+                                                            cfg.drafter.version_pin)))
 
     backend = Backend(
         scheduler=res.scheduler, codec=codec, bounds=Bounds.from_config(cfg, info), model=info["model"],
         eos_token_ids=tuple(info["eos_token_ids"]), replicas=len(infos),
         pipeline_groups=cfg.server.pipeline_groups, max_queue=cfg.server.max_queue, metrics=metrics,
-        config=flatten(cfg), drafters=[r.drafter for r in res.cluster.replicas],
+        config=flatten(cfg), drafters=[] if vllm else [r.drafter for r in res.cluster.replicas],
     )
     metrics.set_live_config(backend.bounds, cfg.drafter.version_pin)
     await res.grpc.attach(backend)

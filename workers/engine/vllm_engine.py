@@ -99,7 +99,7 @@ def speculative_config(cfg, mode: str) -> dict | None:
 
 
 def proposer_settings(
-    cfg, model_dir: str | Path, max_running: int, swap_file: str | None
+    cfg, model_dir: str | Path, max_running: int, swap_file: str | None, versions: str | dict | None = None
 ) -> ProposerSettings:
     drafter = asdict(cfg.drafter)
     # vLLM does not hand its hidden states to a proposer: by default it takes the token-only drafter.
@@ -114,6 +114,7 @@ def proposer_settings(
         cache_dir=cfg.cache_dir,
         seed=cfg.seed,
         swap_file=swap_file,
+        versions=versions,
     )
 
 
@@ -127,7 +128,9 @@ class VllmEngine:
         max_running: int | None = None,
         teacher_topk: int = 0,
         llm_kwargs: dict | None = None,
+        versions: str | dict | None = None,
     ):
+        """versions: a published version store the proposer follows (see ProposerSettings.versions)."""
         from vllm import LLM
 
         self.cfg = cfg
@@ -148,7 +151,7 @@ class VllmEngine:
             self.mode = "none"
         self.drafter_version = drafter_version(cfg) if self.mode == "specd" else None
         if self.mode == "specd":
-            settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file))
+            settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file), versions)
             # vLLM builds the proposer in its worker process, which inherits this environment.
             os.environ[ENV_SETTINGS] = str(settings.write(self._tmp / "proposer.json"))
         kwargs = dict(

@@ -25,6 +25,10 @@ What vLLM gives us and what it does not (0.32, vllm/v1/worker/gpu_model_runner.p
 - No per-request settings reach the proposer: γ policy and budget are the engine's (spec.policy,
   spec.gamma), and γ never exceeds num_speculative_tokens.
 
+Published drafter versions (the online trainer's) are followed by the DraftWorker itself when the
+settings name a version store (`versions`): it watches CURRENT in the background and swaps between two
+propose() calls, so no request fails across a swap.
+
 The settings come from a JSON file named by the SPECD_VLLM_PROPOSER_CONFIG environment variable, because
 vLLM builds the class itself (with only its VllmConfig) in its worker process, which inherits the
 environment of the process that created the engine. The same file names a swap file: when its mtime
@@ -65,6 +69,10 @@ class ProposerSettings:
     seed: int = 0
     swap_file: str | None = None        # {"path": drafter dir}; a new mtime means "load these weights"
     max_idle_steps: int = 16
+    # A published version store to follow (a directory, or {"redis": ..., "prefix": ...}): the DraftWorker
+    # watches its CURRENT and applies new versions between steps, as on the torch backend.
+    versions: str | dict | None = None
+    versions_poll_s: float = 2.0
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -129,6 +137,13 @@ class SpecdProposer:
                 f"drafter {self.worker.version()} reads the target's hidden states, which vLLM does not hand "
                 "to a proposer: use a token-only drafter (drafter.target_hidden=false or a drafter.path)"
             )
+        if self.settings.versions is not None:
+            if self.worker.drafter.weights_drafter is None:
+                log.warning("drafter %s has no weights: published versions are not followed",
+                            self.worker.version())
+            else:
+                self.worker.watch_versions(self.settings.versions, self.settings.target_model_dir,
+                                           self.settings.versions_poll_s)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
         # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.

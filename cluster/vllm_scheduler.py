@@ -1,0 +1,291 @@
+"""The router's scheduler for target.backend=vllm: the same interface as cluster/scheduler.py's Scheduler
+(submit/abort/generate, admission, worker_stats, observer hooks), over VllmTarget actors
+(cluster/vllm_actor.py) instead of stepping TargetWorker/DraftWorker actors itself.
+
+Each replica's actor steps its own vLLM engine; a pump task per replica long-polls its events and hands
+them to the request's RequestHandle, so the router's gRPC layer (validation, auth, streaming, stop
+strings, deadlines) is unchanged. A cancelled or expired request finishes here at once and is aborted in
+vLLM (its slot and KV blocks freed); tokens that still arrive for it are dropped.
+
+What vLLM's interface cannot do is said at start (`vllm_limits`), not silently dropped: its rejection
+sampler takes drafts as one-hot, so drafts are greedy (no sampled drafts with q) and chains only (no
+trees); γ and the γ policy are engine-wide, so per-request gamma, tree_width, gamma_policy and
+speculation=false are accepted but not applied per request (logged once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from specd.cluster.requests import (
+    FinishEvent,
+    QueueFull,
+    RequestHandle,
+    SchedulerObserver,
+    ServedRequest,
+    ServedStats,
+    TokensEvent,
+)
+from specd.cluster.vllm_actor import FinishOut, TokensOut
+from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.types import Draft, FinishReason, NewRequest
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+
+
+def vllm_limits(cfg) -> list[str]:
+    """The configured features a vLLM target does not apply, each with its reason (logged at start)."""
+    out = []
+    if cfg.spec.tree_width > 1 or getattr(cfg.spec, "tree_width_max", 1) > 1:
+        out.append("token trees (spec.tree_width/tree_width_max > 1): vLLM verifies chains only")
+    out.append("sampled drafts with q: vLLM verifies drafts as one-hot, so specd's proposer drafts greedily "
+               "(lossless at every temperature)")
+    out.append("per-request gamma, gamma_policy, tree_width and speculation=false: vLLM's speculative "
+               f"config is engine-wide (spec.gamma={cfg.spec.gamma} budget, spec.policy={cfg.spec.policy})")
+    if cfg.server.pipeline_groups > 1:
+        out.append("server.pipeline_groups: vLLM runs the drafter in line with the target")
+    return out
+
+
+class _VllmReplica:
+    def __init__(self, index: int, actor, capacity: int):
+        self.index = index
+        self.actor = actor
+        self.capacity = capacity
+        self.members: dict[str, ServedRequest] = {}
+        self.steps = 0                  # read by the health prober
+        self.drafter_version: str | None = None
+        self.busy_base = 0.0
+        self.active_since: float | None = None
+        self.active_seconds = 0.0
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def update_activity(self, now: float) -> None:
+        if self.members and self.active_since is None:
+            self.active_since = now
+        elif not self.members and self.active_since is not None:
+            self.active_seconds += now - self.active_since
+            self.active_since = None
+
+    def active_total(self, now: float) -> float:
+        return self.active_seconds + (now - self.active_since if self.active_since is not None else 0.0)
+
+
+class VllmScheduler:
+    def __init__(self, actors: list, *, capacity: list[int], max_queue: int, max_running: int,
+                 eos_token_ids=(), observer: SchedulerObserver | None = None):
+        if not actors:
+            raise ValueError("a scheduler needs at least one vLLM replica")
+        self.replicas = [_VllmReplica(i, a, c) for i, (a, c) in enumerate(zip(actors, capacity, strict=True))]
+        self.max_queue = max_queue
+        self.max_running = max_running
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.observer = observer or SchedulerObserver()
+        self._waiting: deque[ServedRequest] = deque()
+        self._requests: dict[str, ServedRequest] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        self._warned_per_request = False
+        self._ignore_eos: dict[str, bool] = {}
+        self.finished = 0
+        self.tokens_generated = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._pump(rep)) for rep in self.replicas]
+
+    async def reset_stats(self) -> None:
+        self.finished = self.tokens_generated = self.drafted = self.accepted = 0
+        now = time.perf_counter()
+        for rep in self.replicas:
+            rep.busy_base = (await rep.actor.stats.remote())["busy_s"]
+            rep.steps = 0
+            rep.active_seconds = 0.0
+            rep.active_since = now if rep.active_since is not None else None
+
+    async def stop(self) -> None:
+        self._closing = True
+        for req in list(self._requests.values()):
+            self._finish(req, FinishReason.CANCELLED)
+        for rep in self.replicas:
+            if rep.members:
+                await rep.actor.abort.remote(list(rep.members))
+                rep.members.clear()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._requests.clear()
+        self._waiting.clear()
+        for rep in self.replicas:
+            try:
+                await rep.actor.close.remote()
+            except Exception as exc:  # a dead actor has nothing left to close
+                log.warning("replica %d: close failed: %r", rep.index, exc)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def running(self) -> int:
+        return sum(rep.size() for rep in self.replicas)
+
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def loops_alive(self) -> bool:
+        return self._closing or not any(t.done() for t in self._tasks)
+
+    def can_admit(self) -> bool:
+        return not self._closing and (self._has_free_slot() or len(self._waiting) < self.max_queue)
+
+    def _has_free_slot(self) -> bool:
+        return self.running() < self.max_running and any(r.size() < r.capacity for r in self.replicas)
+
+    def submit(self, new: NewRequest, *, ignore_eos: bool = False) -> RequestHandle:
+        if self._closing:
+            raise QueueFull("the server is shutting down")
+        if new.request_id in self._requests:
+            raise ValueError(f"request id {new.request_id!r} is already in use")
+        if not self._has_free_slot() and len(self._waiting) >= self.max_queue:
+            raise QueueFull(f"server is at capacity: {self.running()} running, {len(self._waiting)} waiting "
+                            f"(server.max_queue={self.max_queue})")
+        seq = Sequence(new, () if ignore_eos else self.eos_token_ids)
+        req = ServedRequest(seq, ServedStats(len(new.prompt_token_ids), arrival=seq.arrival, spec=seq.stats))
+        self._ignore_eos[req.id] = ignore_eos
+        self._requests[req.id] = req
+        self._waiting.append(req)
+        self._dispatch()
+        return RequestHandle(req)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """Finish a request now (client cancel, deadline, stop string) and abort it in vLLM."""
+        req = self._requests.pop(request_id, None)
+        if req is None or req.done:
+            return
+        self._finish(req, reason)
+        if req in self._waiting:
+            self._waiting.remove(req)
+            self._ignore_eos.pop(request_id, None)
+        for rep in self.replicas:
+            if rep.members.pop(request_id, None) is not None:
+                rep.actor.abort.remote([request_id])
+                rep.update_activity(time.perf_counter())
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._waiting and self.running() < self.max_running:
+            free = [r for r in self.replicas if r.size() < r.capacity]
+            if not free:
+                break
+            rep = min(free, key=_VllmReplica.size)
+            req = self._waiting.popleft()
+            self._check_per_request(req.new)
+            req.stats.started_at = time.perf_counter()
+            req.stats.replica = rep.index
+            rep.members[req.id] = req
+            rep.update_activity(req.stats.started_at)
+            rep.actor.submit.remote([req.new], self._ignore_eos.pop(req.id, False))
+        self.observer.on_queue(len(self._waiting), self.running())
+
+    def _check_per_request(self, new: NewRequest) -> None:
+        if self._warned_per_request or new.request_id.startswith(("warmup-", "health-")):
+            return
+        if new.spec.tree_width > 1 or not new.spec.enabled:
+            log.warning("target.backend=vllm: per-request speculation settings are not applied (vLLM's "
+                        "speculative config is engine-wide); logged once")
+            self._warned_per_request = True
+
+    # ---- events --------------------------------------------------------------------------------
+    async def _pump(self, rep: _VllmReplica) -> None:
+        while not self._closing:
+            for event in await rep.actor.poll.remote(POLL_S):
+                req = rep.members.get(event.request_id)
+                if isinstance(event, TokensOut):
+                    rep.steps += 1
+                    if req is not None and not req.done:
+                        self._deliver(req, event.tokens)
+                elif isinstance(event, FinishOut):
+                    self._end(rep, req, event)
+
+    def _deliver(self, req: ServedRequest, tokens: list[int]) -> None:
+        seq = req.seq
+        new_tokens = seq.start(tokens) if not seq.output else seq.append(tokens)
+        if new_tokens:
+            if req.stats.first_token_at is None:
+                req.stats.first_token_at = seq.first_token_time
+                self.observer.on_first_token(req.stats.time_to_first_token)
+            req.stats.completion_tokens = len(seq.output)
+            self.tokens_generated += len(new_tokens)
+            req.events.put_nowait(TokensEvent(new_tokens))
+
+    def _end(self, rep: _VllmReplica, req: ServedRequest | None, event: FinishOut) -> None:
+        if event.drafter_version:
+            rep.drafter_version = event.drafter_version
+        version = event.drafter_version or ""
+        for result in event.records:
+            # vLLM reports how many drafts a step carried, not the rejected ones: the accepted prefix is
+            # what is known of the draft (metrics read counts and the version only).
+            draft = Draft(result.request_id, list(result.new_tokens[: result.num_accepted]),
+                          drafter_version=version if result.num_drafted else "")
+            self.observer.on_step(rep.index, draft, result, result.num_drafted)
+        if req is None:
+            return
+        rep.members.pop(req.id, None)
+        self._requests.pop(req.id, None)
+        rep.update_activity(time.perf_counter())
+        if not req.done:
+            req.seq.stats.__dict__.update(event.stats.__dict__)
+            reason = req.seq.finish_reason if req.seq.finished else FinishReason(event.reason)
+            self._finish(req, reason, event.error)
+        self._dispatch()
+
+    def _finish(self, req: ServedRequest, reason: FinishReason, error: str = "") -> None:
+        if req.done:
+            return
+        req.done = True
+        req.seq.abort(reason)
+        req.stats.finished_at = req.seq.finish_time
+        self.finished += 1
+        self.drafted += req.stats.spec.drafted
+        self.accepted += req.stats.spec.accepted
+        req.events.put_nowait(FinishEvent(reason, req.stats, error))
+        self.observer.on_finish(reason, req.stats)
+        self.observer.on_request_done(req.seq, reason)
+
+    # ---- statistics ----------------------------------------------------------------------------
+    def serving_replicas(self) -> int:
+        return len(self.replicas)
+
+    async def worker_stats(self) -> list[dict]:
+        now = time.perf_counter()
+        out = []
+        for rep in self.replicas:
+            s = await rep.actor.stats.remote()
+            active = rep.active_total(now)
+            busy = s["busy_s"] - rep.busy_base
+            scale = 1.0 / active if active > 0 else 0.0
+            out.append({
+                "replica": rep.index, "drafter_version": s["drafter_version"] or rep.drafter_version,
+                "target_busy_s": busy, "drafter_busy_s": 0.0, "active_s": active,
+                "target_busy_fraction": busy * scale, "drafter_busy_fraction": 0.0, "overlap_fraction": 0.0,
+                "running": rep.size(), "free_slots": rep.capacity - rep.size(), "steps": rep.steps,
+                "goodput_predicted": 0.0, "goodput_measured": 0.0, "drafter_failures": 0,
+                "drafter_fallback_requests": 0, "drafter_down": False, "guarded_steps": 0,
+                "vllm_running": s["running"], "vllm_unfinished": s["vllm_unfinished"],
+            })
+        return out
+
+    async def generate(self, new: NewRequest, *, ignore_eos: bool = False) -> tuple[list[int], FinishEvent]:
+        tokens: list[int] = []
+        async for event in self.submit(new, ignore_eos=ignore_eos):
+            if isinstance(event, TokensEvent):
+                tokens += event.tokens
+            else:
+                return tokens, event
+        raise RuntimeError("request stream ended without a FinishEvent")

@@ -1,0 +1,71 @@
+"""Bring-up of `specd serve target.backend=vllm`: Ray, the target model and tokenizer, one VllmTarget actor
+per replica (cluster/vllm_actor.py) and the VllmScheduler over them (cluster/vllm_scheduler.py). The rest
+of `specd serve` (gRPC, auth, health, metrics, warm-up, shutdown) is cluster/serve.py's, unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from specd.cluster.vllm_actor import VllmTarget
+from specd.cluster.vllm_scheduler import VllmScheduler, vllm_limits
+
+log = logging.getLogger(__name__)
+
+
+def actor_options(cfg) -> dict:
+    """One actor per replica: the target's CPUs and GPUs (the proposer runs in its process, on its device);
+    concurrency so that poll() long-polls while submit() and abort() come in."""
+    return {
+        "num_cpus": max(float(cfg.target.num_cpus), 0.01),
+        "num_gpus": float(cfg.target.num_gpus),
+        "max_concurrency": 8,
+    }
+
+
+async def bring_up_vllm(cfg, res, install_signals):
+    """Returns (model dir, chat codec, each replica's info, each replica's request capacity), like
+    serve._start_workers; the actors are the scheduler's to close."""
+    import ray
+
+    from specd.cluster import actors
+    from specd.workers.engine.vllm_engine import vllm_missing
+    from specd.workers.models.chat import ChatCodec
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer
+
+    missing = vllm_missing()
+    if missing:
+        raise RuntimeError(f"target.backend=vllm: {missing}")
+    for limit in vllm_limits(cfg):
+        log.warning("target.backend=vllm does not apply %s", limit)
+    if cfg.replay.enabled:
+        log.warning("target.backend=vllm: replay records and the online trainer are not wired yet; the "
+                    "proposer follows the versions published to Redis")
+    res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
+    install_signals()
+    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
+    codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
+    from specd.cluster.first_start import ensure_serving_drafter
+
+    # no bootstrapped drafter in the cache: the quick token-only one, as the torch path does (first_start.py)
+    await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
+    versions = None
+    if cfg.replay.enabled:
+        from specd.cluster.serve import _publish_first_version
+
+        # Redis carries the versions, as for DraftWorkers (docs/decisions/drafter-versions-redis.md)
+        versions = await asyncio.to_thread(_publish_first_version, cfg, res, str(model_dir))
+    remote = ray.remote(VllmTarget).options(**actor_options(cfg))
+    res.vllm_actors = [remote.remote(cfg, 0, versions) for _ in range(cfg.target.replicas)]
+    infos = await asyncio.gather(*[a.info.remote() for a in res.vllm_actors])
+    for i, info in enumerate(infos):
+        log.info("replica %d: vLLM engine up in %.1f s, speculation %s, drafter %s", i, info["load_s"],
+                 info["speculation"], info["drafter_version"])
+    capacity = [int(i["max_slots"]) for i in infos]
+    return model_dir, codec, infos, capacity
+
+
+def vllm_scheduler(cfg, res, capacity: list[int], info: dict, observer) -> VllmScheduler:
+    return VllmScheduler(res.vllm_actors, capacity=capacity, max_queue=cfg.server.max_queue,
+                         max_running=cfg.server.max_running, eos_token_ids=info["eos_token_ids"],
+                         observer=observer)
