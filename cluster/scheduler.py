@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from specd.cluster.requests import (
+from specd.cluster.admission import Admission
+from specd.cluster.requests import (  # QueueFull and ServedStats: the scheduler's API, re-exported
     FinishEvent,
-    QueueFull,
+    QueueFull,  # noqa: F401
     RequestHandle,
     SchedulerObserver,
     ServedRequest,
-    ServedStats,
+    ServedStats,  # noqa: F401
     TokensEvent,
 )
 from specd.workers.core.guard import SpeculationGuard
@@ -83,7 +84,7 @@ class _Replica:
         return self.active_seconds + (now - self.active_since if self.active_since is not None else 0.0)
 
 
-class Scheduler:
+class Scheduler(Admission):
     def __init__(
         self,
         replicas: list[tuple[Any, Any]],
@@ -176,39 +177,10 @@ class Scheduler:
         self._requests.clear()
         self._waiting.clear()
 
-    # ---- admission -----------------------------------------------------------------------------
-    def running(self) -> int:
-        return sum(rep.size() for rep in self.replicas)
-
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def loops_alive(self) -> bool:
-        """False once a step loop has ended other than by stop(): the router can no longer serve."""
-        return self._closing or not any(t.done() for t in self._tasks)
-
-    def can_admit(self) -> bool:
-        """submit() would take a request now (a free slot or room in the queue)."""
-        return not self._closing and (self._has_free_slot() or len(self._waiting) < self.max_queue)
-
-    def _has_free_slot(self) -> bool:
-        return self.running() < self.max_running and any(r.size() < r.capacity for r in self.replicas)
-
+    # ---- admission (cluster/admission.py) ---------------------------------------------------
     def submit(self, new: NewRequest, *, ignore_eos: bool = False) -> RequestHandle:
         """Queue a request; raises QueueFull when every slot is taken and the queue is at max_queue."""
-        if self._closing:
-            raise QueueFull("the server is shutting down")
-        if new.request_id in self._requests:
-            raise ValueError(f"request id {new.request_id!r} is already in use")
-        if not self._has_free_slot() and len(self._waiting) >= self.max_queue:
-            raise QueueFull(
-                f"server is at capacity: {self.running()} running, {len(self._waiting)} waiting "
-                f"(server.max_queue={self.max_queue})"
-            )
-        seq = Sequence(new, () if ignore_eos else self.eos_token_ids)
-        req = ServedRequest(seq, ServedStats(len(new.prompt_token_ids), arrival=seq.arrival, spec=seq.stats))
-        self._requests[req.id] = req
-        self._waiting.append(req)
+        req = self._admit(new, ignore_eos)
         self._dispatch()
         return RequestHandle(req)
 

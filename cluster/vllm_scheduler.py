@@ -20,17 +20,15 @@ import logging
 import time
 from collections import deque
 
+from specd.cluster.admission import Admission
 from specd.cluster.requests import (
     FinishEvent,
-    QueueFull,
     RequestHandle,
     SchedulerObserver,
     ServedRequest,
-    ServedStats,
     TokensEvent,
 )
 from specd.cluster.vllm_actor import FinishOut, TokensOut
-from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import Draft, FinishReason, NewRequest
 
 log = logging.getLogger(__name__)
@@ -77,7 +75,7 @@ class _VllmReplica:
         return self.active_seconds + (now - self.active_since if self.active_since is not None else 0.0)
 
 
-class VllmScheduler:
+class VllmScheduler(Admission):
     def __init__(self, actors: list, *, capacity: list[int], max_queue: int, max_running: int,
                  eos_token_ids=(), observer: SchedulerObserver | None = None):
         if not actors:
@@ -131,35 +129,10 @@ class VllmScheduler:
             except Exception as exc:  # a dead actor has nothing left to close
                 log.warning("replica %d: close failed: %r", rep.index, exc)
 
-    # ---- admission -----------------------------------------------------------------------------
-    def running(self) -> int:
-        return sum(rep.size() for rep in self.replicas)
-
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def loops_alive(self) -> bool:
-        return self._closing or not any(t.done() for t in self._tasks)
-
-    def can_admit(self) -> bool:
-        return not self._closing and (self._has_free_slot() or len(self._waiting) < self.max_queue)
-
-    def _has_free_slot(self) -> bool:
-        return self.running() < self.max_running and any(r.size() < r.capacity for r in self.replicas)
-
+    # ---- admission (cluster/admission.py) ---------------------------------------------------
     def submit(self, new: NewRequest, *, ignore_eos: bool = False) -> RequestHandle:
-        if self._closing:
-            raise QueueFull("the server is shutting down")
-        if new.request_id in self._requests:
-            raise ValueError(f"request id {new.request_id!r} is already in use")
-        if not self._has_free_slot() and len(self._waiting) >= self.max_queue:
-            raise QueueFull(f"server is at capacity: {self.running()} running, {len(self._waiting)} waiting "
-                            f"(server.max_queue={self.max_queue})")
-        seq = Sequence(new, () if ignore_eos else self.eos_token_ids)
-        req = ServedRequest(seq, ServedStats(len(new.prompt_token_ids), arrival=seq.arrival, spec=seq.stats))
+        req = self._admit(new, ignore_eos)
         self._ignore_eos[req.id] = ignore_eos
-        self._requests[req.id] = req
-        self._waiting.append(req)
         self._dispatch()
         return RequestHandle(req)
 
