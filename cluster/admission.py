@@ -4,11 +4,11 @@ refused with QueueFull (RESOURCE_EXHAUSTED at the API).
 
 A subclass sets `replicas` (each with size() and capacity), `max_queue`, `max_running`,
 `eos_token_ids`, `_requests` (id -> ServedRequest), `_waiting` (a deque), `_tasks` (its loops) and
-`_closing`."""
+`_closing`, and define submit()."""
 
 from __future__ import annotations
 
-from specd.cluster.requests import QueueFull, ServedRequest, ServedStats
+from specd.cluster.requests import FinishEvent, QueueFull, ServedRequest, ServedStats, TokensEvent
 from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import NewRequest
 
@@ -45,3 +45,13 @@ class Admission:
         self._requests[req.id] = req
         self._waiting.append(req)
         return req
+
+    async def generate(self, new: NewRequest, *, ignore_eos: bool = False) -> tuple[list[int], FinishEvent]:
+        """Run one request to the end (warm-up, tests)."""
+        tokens: list[int] = []
+        async for event in self.submit(new, ignore_eos=ignore_eos):
+            if isinstance(event, TokensEvent):
+                tokens += event.tokens
+            else:
+                return tokens, event
+        raise RuntimeError("request stream ended without a FinishEvent")

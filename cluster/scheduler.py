@@ -428,16 +428,6 @@ class Scheduler(Admission):
             })
         return out
 
-    async def generate(self, new: NewRequest, *, ignore_eos: bool = False) -> tuple[list[int], FinishEvent]:
-        """Run one request to the end (warm-up, tests)."""
-        tokens: list[int] = []
-        async for event in self.submit(new, ignore_eos=ignore_eos):
-            if isinstance(event, TokensEvent):
-                tokens += event.tokens
-            else:
-                return tokens, event
-        raise RuntimeError("request stream ended without a FinishEvent")
-
 
 def is_dead_actor(exc: BaseException) -> bool:
     """A Ray actor that died or cannot be reached (not an exception its method raised)."""

@@ -254,11 +254,3 @@ class VllmScheduler(Admission):
             })
         return out
 
-    async def generate(self, new: NewRequest, *, ignore_eos: bool = False) -> tuple[list[int], FinishEvent]:
-        tokens: list[int] = []
-        async for event in self.submit(new, ignore_eos=ignore_eos):
-            if isinstance(event, TokensEvent):
-                tokens += event.tokens
-            else:
-                return tokens, event
-        raise RuntimeError("request stream ended without a FinishEvent")
