@@ -104,7 +104,7 @@ class PhaseTimer:
 
 
 def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: int, warmup: int,
-                   profile_dir: Path | None, salt: int) -> dict[str, Any]:
+                   profile_dir: Path | None, salt: int, forwards: str = "free") -> dict[str, Any]:
     """Median host time of `steps` steps of `batch` requests on one SpecEngine: the process's CPU time
     (nothing waits with free forwards, so that is the host work, and unlike wall time it does not grow
     with what else runs on a shared machine), and its wall time beside it."""
@@ -167,7 +167,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
             del drafter.propose
     if profiler is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
-        profiler.dump_stats(str(profile_dir / f"{system}-b{batch}.pstats"))
+        profiler.dump_stats(str(profile_dir / f"{forwards}-{system}-b{batch}.pstats"))
     return {"system": system, "batch": batch, "where": "in-process", "host_ms_per_step": median_ms(totals),
             "wall_ms_per_step": median_ms(walls), "clock": "process CPU time",
             "phases_ms": {k: median_ms(v) for k, v in phases.items()}, "steps": len(totals),
@@ -213,7 +213,7 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
         for system in args.systems:
             for batch in args.batch_sizes:
                 row = run_in_process(system, batch, target, drafters, cfg, steps, args.warmup,
-                                     args.profile if free else None, len(rows))
+                                     args.profile, len(rows), forwards)
                 rows.append({**row, "forwards": forwards, "load_average": load_average()})
                 print(_line(rows[-1]), flush=True)
         del target, drafters
@@ -314,7 +314,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real", action="store_true", help="also run every cell on the real model")
     parser.add_argument("--real-steps", type=int, default=16, help="timed steps per cell with --real")
     parser.add_argument("--profile", type=Path, default=None,
-                        help="folder for a cProfile .pstats per in-process cell (free forwards)")
+                        help="folder for a cProfile .pstats per in-process cell (its timings then include "
+                             "the profiler's own cost: profile in a run of its own)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value), after the bench's own")

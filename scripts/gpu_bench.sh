@@ -7,7 +7,8 @@
 #                                    pieces back together (from DIR, default /root/stage), install
 #                                    into /tmp/site, build the model cache, then run the benchmarks
 #                                    and write bench/results/gpu-*.json (and copy them to $OUT if set);
-#                                    SPECD_GPU_PHASES picks them (default "b1 b8 serve"; also "grid")
+#                                    SPECD_GPU_PHASES picks them (default "b1 b8 serve"; also "grid",
+#                                    "f32", "overhead"); SPECD_GPU_SYSTEMS the systems of b1 and b8
 #
 # The device tool carries at most 64 MiB per call: carry DIR/parts in several calls into /root/stage
 # (it stays while the machine is warm), then `run` in one call (about 8 minutes on an H100 with the
@@ -133,12 +134,24 @@ run() {
             # Batch 1: target-only, chain and tree with the default drafter, the default policy, the
             # compiled transformers baseline.
             b1) phase b1 "$PY" -m specd.cluster.cli bench engine "${common[@]}" --batch-sizes 1 \
-                    --systems target-only,specd-default,specd-chain,specd-tree,transformers-compiled,vllm \
+                    --systems "${SPECD_GPU_SYSTEMS:-target-only,specd-default,specd-chain,specd-tree,transformers-compiled,vllm}" \
                     --json "$RESULTS/gpu-engine-b1.json" "${cuda[@]}" ;;
             # Batch 8: every system against target-only in the same run.
             b8) phase b8 "$PY" -m specd.cluster.cli bench engine "${common[@]}" --batch-sizes 8 \
-                    --systems target-only,specd-default,specd-chain,specd-tree,specd-hybrid,specd-ngram,transformers-compiled \
+                    --systems "${SPECD_GPU_SYSTEMS:-target-only,specd-default,specd-chain,specd-tree,specd-hybrid,specd-ngram,transformers-compiled}" \
                     --json "$RESULTS/gpu-engine-b8.json" "${cuda[@]}" ;;
+            # float32 (greedy agreement with target-only is bit-exact only there), fewer prompts.
+            f32) phase f32 "$PY" -m specd.cluster.cli bench engine --workloads gsm8k --temperatures 0 \
+                    --num-prompts "${SPECD_GPU_F32_PROMPTS:-4}" --max-new-tokens "${SPECD_GPU_F32_TOKENS:-64}" --batch-sizes 1,8 \
+                    --systems target-only,specd-default,specd-chain,specd-tree \
+                    --json "$RESULTS/gpu-engine-f32.json" "${cuda[@]}" target.dtype=float32 drafter.dtype=float32 ;;
+            # Host time per step (free forwards, and the real model beside them), then a cProfile of the
+            # real cells in a run of their own, summarised as text.
+            overhead) phase overhead "$PY" -m specd.cluster.cli bench overhead --where in-process \
+                    --batch-sizes 1,8,16 --real --json "$RESULTS/gpu-overhead.json" "${cuda[@]}"
+                phase profile "$PY" -m specd.cluster.cli bench overhead --where in-process --steps 40 \
+                    --systems target-only,chain,default --batch-sizes 1,8 --real --profile /tmp/specd-prof "${cuda[@]}"
+                "$PY" scripts/pstats_summary.py /tmp/specd-prof > "$RESULTS/gpu-profile.txt" || true ;;
             # The default against target-only at every batch size of issue 16's grid.
             grid) phase grid "$PY" -m specd.cluster.cli bench engine --workloads gsm8k,humaneval --temperatures 0,0.7 \
                     --num-prompts 16 --max-new-tokens "$TOKENS" --batch-sizes 1,4,8,16 \
