@@ -37,6 +37,14 @@ def resolve_decode(name: str, device: str | torch.device) -> str:
     return name
 
 
+def prefer_shape_free_attention() -> None:
+    """Take cuDNN out of SDPA's backends (process-wide). torch 2.11 sends masked SDPA on an H100 to cuDNN
+    first, which builds an execution plan for every new shape: ~20 ms of host time per attention call
+    whose length it has not seen. Prefills and a drafter's catch-up have a new length almost every
+    call, so each paid it (docs/gpus.md, 2026-11-26); the other backends take any length."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -68,6 +76,8 @@ class ModelRunner:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            prefer_shape_free_attention()
         # Inductor cannot trace oneDNN's opaque packed weights: compile works on the plain ones.
         pack = "none" if compile else pack_weights
         self.model = Llama.from_pretrained(model_dir, self.device, dtype, max_seq_len=max_seq_len, pack=pack)
