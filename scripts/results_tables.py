@@ -12,7 +12,8 @@ A table sits between two marker comments; the first names the table's kind and i
 Kinds (extra `key=value` words filter rows): engine-grid (the paired ratio of every speculative
 specd system per workload x temperature row and batch column), engine-systems (one row per system
 and cell: tok/s, α, tokens per step, ratios), serve (`specd bench serve` phases), osd (`specd bench
-osd` held-out acceptance), osd-arms (`specd bench osd --arms`), soak (`specd bench soak`).
+osd` held-out acceptance), osd-arms (`specd bench osd --arms`), soak (`specd bench soak`), overhead
+(`specd bench overhead`: host ms per step and its phases).
 tests/test_docs.py runs --check's logic.
 """
 
@@ -212,8 +213,23 @@ def soak(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n\n".join(out)
 
 
+def overhead(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """`specd bench overhead`: one row per cell, host ms per step and its phases (medians)."""
+    lines = ["| forwards | where | system | batch | host ms/step | propose | verify | rest | tokens/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in files:
+        for r in _load(root, name)["rows"]:
+            if not _keep(r, where):
+                continue
+            p = r["phases_ms"]
+            lines.append(f"| {r['forwards']} | {r['where']} | {r['system']} | {r['batch']} | "
+                         f"{r['host_ms_per_step']:.2f} | {p['propose']:.2f} | {p['verify']:.2f} | "
+                         f"{p['rest']:.2f} | {r['tokens_per_step']:.2f} |")
+    return "\n".join(lines)
+
+
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
-         "osd-arms": osd_arms, "soak": soak}
+         "osd-arms": osd_arms, "soak": soak, "overhead": overhead}
 
 
 def sources(spec: str) -> list[str]:
