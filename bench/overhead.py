@@ -123,6 +123,8 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
     timer.wrap(target, "verify", "verify")
     if drafter is not None:
         timer.wrap(drafter, "propose", "propose")
+        for name in ("plan", "observe"):            # the SpeculationPlanner's share of the step
+            timer.wrap(engine.step.planner, name, "plan")
     streamed = [0]
     max_new = MAX_SEQ_LEN - PROMPT_LEN - TREE_MARGIN
     reqs = [NewRequest(f"overhead-{system}-{batch}-{salt}-{i}", p, SamplingParams(), max_new, spec)
@@ -135,7 +137,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
     run.advance()                               # admission (prefills) and the first step: not timed
     totals: list[float] = []
     walls: list[float] = []
-    phases: dict[str, list[float]] = {"propose": [], "verify": [], "rest": []}
+    phases: dict[str, list[float]] = {"plan": [], "propose": [], "verify": [], "rest": []}
     tokens = 0
     profiler = cProfile.Profile() if profile_dir is not None else None
     try:
@@ -156,10 +158,12 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
             totals.append(took)
             walls.append(wall)
             tokens += streamed[0] - before
-            propose, verify = timer.current.get("propose", 0.0), timer.current.get("verify", 0.0)
+            plan, propose = timer.current.get("plan", 0.0), timer.current.get("propose", 0.0)
+            verify = timer.current.get("verify", 0.0)
+            phases["plan"].append(plan)
             phases["propose"].append(propose)
             phases["verify"].append(verify)
-            phases["rest"].append(took - propose - verify)
+            phases["rest"].append(took - plan - propose - verify)
     finally:
         run_sync(engine.step.release(list(run.running)))
         del target.verify
@@ -229,7 +233,8 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
 def _line(row: dict[str, Any]) -> str:
     p = row["phases_ms"]
     return (f"{row['forwards']:4s} {row['where']:10s} {row['system']:11s} batch {row['batch']:2d}: "
-            f"{row['host_ms_per_step']:8.3f} ms/step (propose {p['propose']:.3f}, verify {p['verify']:.3f}, "
+            f"{row['host_ms_per_step']:8.3f} ms/step (plan {p.get('plan', 0.0):.3f}, "
+            f"propose {p['propose']:.3f}, verify {p['verify']:.3f}, "
             f"rest {p['rest']:.3f}), {row['tokens_per_step']:.2f} tokens/step, load {row['load_average'][0]}")
 
 

@@ -138,11 +138,13 @@ class Scheduler(Admission):
         for rep in self.replicas:
             rep.busy_base = await self._busy_seconds(rep)
             guard = SpeculationGuard(self.guard_window_steps) if self.guard_window_steps > 0 else None
+            # one planner per drafter worker, shared by its groups: one cost model, guard and pause
+            planner = await SpecStep.create_planner(rep.drafter, guard)
             for group in rep.groups:
-                group.step = await SpecStep.create(rep.target, rep.drafter, guard=guard,
+                group.step = await SpecStep.create(rep.target, rep.drafter, planner=planner,
                                                    on_drafter_back=partial(self._drafter_back, rep))
             rep.hidden = rep.groups[0].step.hidden
-            await rep.groups[0].step.profile()       # one cost model per drafter worker
+            await rep.groups[0].step.profile()
             self._tasks += [asyncio.create_task(self._run_group(rep, g)) for g in rep.groups]
 
     async def reset_stats(self) -> None:
@@ -397,11 +399,8 @@ class Scheduler(Admission):
         out = []
         for rep in self.replicas:
             t, d = await self._busy_seconds(rep)
-            try:
-                goodput = await rep.drafter.goodput_stats()
-            except Exception:  # a failed drafter: counted below, its replica serves target-only meanwhile
-                goodput = {"predicted": 0.0, "measured": 0.0}
             steps = [g.step for g in rep.groups if g.step is not None]
+            goodput = steps[0].planner.goodput_stats() if steps else {"predicted": 0.0, "measured": 0.0}
             t -= rep.busy_base[0]
             d -= rep.busy_base[1]
             active = rep.active_total(now)
@@ -423,7 +422,7 @@ class Scheduler(Admission):
                 "drafter_failures": sum(st.drafter_failures for st in steps),
                 "drafter_fallback_requests": sum(st.fallback_requests for st in steps),
                 "drafter_down": any(st.drafter_down_since is not None for st in steps),
-                "guarded_steps": sum(st.guarded_steps for st in steps),
+                "guarded_steps": steps[0].guarded_steps if steps else 0,   # the groups share one planner
                 **(steps[0].guard.stats() if steps and steps[0].guard is not None else {}),
             })
         return out

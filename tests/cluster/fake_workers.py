@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from specd.configs.schema import SpecConfig
 from specd.workers.engine.types import Draft, DraftItem, NewRequest, VerifyResult
 
 VOCAB = 100
@@ -192,8 +193,7 @@ class FakeDrafter:
             self.running[r.request_id] = [*r.prompt_token_ids, *first]
             self.last_draft[r.request_id] = []
 
-    def propose(self, items: list[DraftItem], last_verify=None, step_times=None,
-                plain_verifies=None) -> list[Draft]:
+    def propose(self, items: list[DraftItem]) -> list[Draft]:
         self.tracker.enter("drafter", "propose", [i.request_id for i in items])
         try:
             t0 = time.perf_counter()
@@ -232,11 +232,9 @@ class FakeDrafter:
     def uses_target_hidden(self) -> bool:
         return self.hidden
 
-    def cost_profile_request(self) -> None:
-        return None  # no goodput policy here: nothing to profile
-
-    def goodput_stats(self) -> dict:
-        return {"predicted": 0.0, "measured": 0.0}
+    def planning_info(self) -> dict:
+        # the fixed policy by default: no goodput cost model, so nothing to profile
+        return {"spec": SpecConfig(policy="fixed"), "max_seq_len": None, "held_out_acceptance": None}
 
     def version(self) -> str:
         return self.version_id

@@ -38,13 +38,15 @@ def test_goodput_and_suffix_through_the_scheduler(tiny_llama_dir) -> None:
             runs = [NewRequest(f"{round_}{i}", p, SamplingParams(), 24, spec) for i, p in enumerate(PROMPTS)]
             outs.append(await asyncio.gather(*(sched.generate(r, ignore_eos=True) for r in runs)))
         stats = await sched.worker_stats()
+        planner = sched.replicas[0].groups[0].step.planner     # the replica's groups share it
+        assert all(g.step.planner is planner for g in sched.replicas[0].groups)
         await sched.stop()
-        return outs, stats
+        return outs, stats, planner
 
-    outs, stats = asyncio.run(main())
+    outs, stats, planner = asyncio.run(main())
     for round_ in outs:
         assert [tokens for tokens, _ in round_] == base
-    assert sorted(drafter.costs.verify_table) == [1, 2]
+    assert sorted(planner.costs.verify_table) == [1, 2]
     assert stats[0]["goodput_predicted"] > 0 and stats[0]["goodput_measured"] > 0
     assert drafter.drafter.stats()["sources"]["global"]["accepted"] > 0
     metrics = SpecdMetrics()

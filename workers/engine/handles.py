@@ -102,20 +102,14 @@ class DrafterHandle(_Handle):
     ) -> None:
         await self._call(self.worker.start, requests, first_tokens, prompt_hidden)
 
-    async def propose(self, items: list[DraftItem], last_verify: tuple | None = None,
-                      step_times: list | None = None, plain_verifies: list | None = None) -> list[Draft]:
-        return await self._call(self.worker.propose, items, last_verify=last_verify, step_times=step_times,
-                                plain_verifies=plain_verifies)
+    async def propose(self, items: list[DraftItem]) -> list[Draft]:
+        return await self._call(self.worker.propose, items)
 
-    async def cost_profile_request(self) -> dict | None:
-        return await self._call(self.worker.cost_profile_request)
+    async def planning_info(self) -> dict:
+        return await self._call(self.worker.planning_info)
 
-    async def set_cost_profile(self, verify: dict[int, list[float]], pad_weight: float = 1.0,
-                               ragged: dict[int, float] | None = None) -> None:
-        await self._call(self.worker.set_cost_profile, verify, pad_weight=pad_weight, ragged=ragged)
-
-    async def goodput_stats(self) -> dict:
-        return await self._call(self.worker.goodput_stats)
+    async def profile_drafting(self) -> dict:
+        return await self._call(self.worker.profile_drafting)
 
     async def watch_versions(self, root: str, target_model_dir: str, poll_s: float = 2.0) -> str:
         """Follow the online trainer's version store (hot-swap between steps); returns the serving version."""

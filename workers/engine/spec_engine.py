@@ -30,8 +30,6 @@ class SpecEngine:
         self.max_running = max_running or info["max_slots"]
         if drafter is not None:
             self.max_running = min(self.max_running, drafter.max_slots())
-        if drafter is not None and hasattr(drafter, "colocated"):
-            drafter.colocated = True     # same device and thread as the target (see DraftWorker)
         handle = DrafterHandle(drafter, "drafter", "direct") if drafter is not None else None
         guard = SpeculationGuard(guard_window_steps) if guard_window_steps > 0 else None
         self.step = run_sync(SpecStep.create(TargetHandle(target, "target", "direct"), handle, guard=guard))

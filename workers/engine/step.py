@@ -1,7 +1,10 @@
 """The speculative step, written once for the in-process engine and the router.
 
-One step for a batch of running requests (`Sequence`s) of one replica:
+One step for a batch of running requests (`Sequence`s) of one replica, as gpt-fast's
+speculative_decode reads:
 
+    plan     the SpeculationPlanner (workers/engine/planner.py) picks each speculating request's γ or tree
+             shape and stopping rule, or leaves the drafter alone this step (the guard, the pause)
     propose  the drafter drafts γ tokens or a token tree per speculating request, with q; the
              DraftItem also carries the previous step's outcome, so the drafter first rolls back
              to the verified prefix (one round trip per step)
@@ -9,6 +12,7 @@ One step for a batch of running requests (`Sequence`s) of one replica:
              drafts + one recovered or bonus token per request; the target's KV cache rolled back
     apply    each Sequence records the step (drafted, accepted, bonus, drafter version) and emits
              its new tokens, cut at EOS, stop tokens and max_new_tokens
+    observe  the planner learns from the step's StepRecord (times, drafts, outcomes)
 
 around which `start` (target prefill, then the drafter's start for requests that speculate) and
 `release` (both workers free a finished request's slots) run as requests come and go.
@@ -33,57 +37,13 @@ from dataclasses import dataclass
 
 from specd.workers.core.guard import SpeculationGuard
 from specd.workers.engine.handles import DrafterHandle, TargetHandle
+from specd.workers.engine.planner import SpeculationPlanner, StepRecord
 from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import Draft, VerifyResult
 
 log = logging.getLogger(__name__)
 DRAFTER_RETRY_S = 2.0   # how often a step asks a failed drafter whether it is back
 DRAFTER_PROBE_TIMEOUT_S = 0.5
-# When a batch of at least PAUSE_MIN_BATCH speculating requests got no draft at all (the γ policy found
-# nothing worth drafting: high load, or traffic no drafter knows), and the drafter runs in the target's
-# process (the in-process engine; not the router's actors), the next steps do not ask the drafter:
-# its per-step work (commits, suffix lookups, the plan) is a share of every step, paid for nothing.
-# The pause starts at PAUSE_STEPS and doubles while the drafter keeps drafting nothing, up to
-# PAUSE_MAX_STEPS; a step that drafts ends it, and so does a smaller batch (what drafting costs and gains
-# turns on the batch: with fewer requests it may pay again). The paused steps' outcomes reach the drafter
-# together with the next DraftItem. Invariant: a paused step changes no output, only whether the
-# drafter is asked. Why the cap is 32 and the smallest paused batch 8: docs/decisions/drafter-pause.md.
-PAUSE_STEPS = 2
-PAUSE_MAX_STEPS = 32
-PAUSE_MIN_BATCH = 8
-STEP_TIMES_MAX = 64   # step timings kept for the drafter while it is not asked (more add nothing)
-
-
-class DrafterPause:
-    """When not to ask a colocated drafter (see PAUSE_STEPS): plain logic, kept apart to be tested alone."""
-
-    def __init__(self) -> None:
-        self.remaining = 0                  # steps left that do not ask the drafter
-        self.next = PAUSE_STEPS             # the next pause's length (doubles while nothing drafts)
-        self.batch = 0                      # speculating requests when the pause began
-        self.paused_steps = 0
-
-    def skip(self, speculating: int) -> bool:
-        """Whether this step, with `speculating` requests that would draft, leaves the drafter alone."""
-        if self.remaining > 0 and speculating < self.batch:
-            # The load fell: ask the drafter again now. The backoff stays: if it still drafts nothing,
-            # the next pause is as long as this one would have grown.
-            self.remaining = 0
-        if self.remaining == 0:
-            return False
-        self.remaining -= 1
-        self.paused_steps += 1
-        return True
-
-    def asked(self, proposed: int, drafted: bool, colocated: bool) -> None:
-        """After the drafter was asked for `proposed` requests: a draft ends the backoff; nothing drafted
-        for a batch of at least PAUSE_MIN_BATCH pauses a drafter that shares the target's device."""
-        if drafted:
-            self.next = PAUSE_STEPS
-        elif proposed >= PAUSE_MIN_BATCH and colocated:
-            self.remaining = min(self.next, PAUSE_MAX_STEPS)
-            self.next = min(2 * self.remaining, PAUSE_MAX_STEPS)
-            self.batch = proposed
 
 
 @dataclass
@@ -100,56 +60,69 @@ class SpecStep:
     is asked every DRAFTER_RETRY_S; a Ray actor restarts with empty caches), then `on_drafter_back`
     (the server's set-up of a fresh drafter: version store, cost profile) runs and speculation resumes."""
 
-    def __init__(self, target: TargetHandle, drafter: DrafterHandle | None, *, hidden: bool = False,
-                 on_drafter_back: Callable[[], Awaitable[None]] | None = None,
-                 guard: SpeculationGuard | None = None):
-        """guard: measures decode throughput with speculation allowed and not, and turns drafting off while
-        it loses (workers/core/guard.py); the router's groups of one replica share one."""
+    def __init__(self, target: TargetHandle, drafter: DrafterHandle | None, planner: SpeculationPlanner, *,
+                 hidden: bool = False, on_drafter_back: Callable[[], Awaitable[None]] | None = None):
+        """planner: the drafter's SpeculationPlanner (the router's groups of one replica share one)."""
         self.target = target
         self.drafter = drafter
-        self.guard = guard if drafter is not None else None
-        self.guarded_steps = 0                   # steps the guard kept from drafting
+        self.planner = planner
         # The drafter reads the target's hidden states: start and verify return them with their tokens.
         self.hidden = hidden and drafter is not None
-        # (tokens per row, seconds, tokens emitted) of this batch's previous verify: the goodput
-        # policy's cost model follows measured steps.
-        self._last_verify: tuple[list[int], float, int] | None = None
         self.on_drafter_back = on_drafter_back
         self.target_only: set[str] = set()       # requests whose drafter state was lost
         self.drafter_down_since: float | None = None
         self._last_probe = 0.0
         self.drafter_failures = 0                # drafter calls that raised
         self.fallback_requests = 0               # requests moved to target-only decoding by them
-        # (requests, drafted, asked the drafter, wall less verify seconds) of the steps since the last
-        # propose, for the goodput policy's host cost (DraftWorker.observe_steps); in-process only
-        self._step_times: list[tuple[int, bool, bool, float]] = []
-        # (requests, verify seconds) of plain steps that did not ask the drafter (paused, guarded): the
-        # cost model's one-token price follows them too, not only the steps that asked. The profile runs
-        # at short contexts and prices a step at real ones low; observed by only the few steps that
-        # asked, that made drafting look relatively cheaper (docs/decisions/goodput-pricing.md).
-        self._plain_verifies: list[tuple[int, float]] = []
-        self.pause = DrafterPause()
+
+    @property
+    def guard(self) -> SpeculationGuard | None:
+        return self.planner.guard
+
+    @property
+    def guarded_steps(self) -> int:
+        return self.planner.guarded_steps
 
     @property
     def paused_steps(self) -> int:
-        return self.pause.paused_steps
+        return self.planner.pause.paused_steps
+
+    @staticmethod
+    async def create_planner(drafter: DrafterHandle | None,
+                             guard: SpeculationGuard | None = None) -> SpeculationPlanner:
+        """guard: measures decode throughput with speculation allowed and not, and turns drafting off while
+        it loses (workers/core/guard.py). A drafter in the target's process and thread (a direct handle)
+        costs the step its time: the plan prices its host work and catch-ups."""
+        if drafter is None:
+            return SpeculationPlanner()
+        info = await drafter.planning_info()
+        return SpeculationPlanner(info["spec"], colocated=drafter.mode == "direct", guard=guard,
+                                  max_seq_len=info["max_seq_len"],
+                                  held_out_acceptance=info["held_out_acceptance"])
 
     @classmethod
     async def create(cls, target: TargetHandle, drafter: DrafterHandle | None,
                      on_drafter_back: Callable[[], Awaitable[None]] | None = None,
-                     guard: SpeculationGuard | None = None) -> SpecStep:
+                     guard: SpeculationGuard | None = None, planner: SpeculationPlanner | None = None
+                     ) -> SpecStep:
+        """planner None: a planner of this step's own (create_planner(drafter, guard))."""
         hidden = drafter is not None and await drafter.uses_target_hidden()
-        return cls(target, drafter, hidden=hidden, on_drafter_back=on_drafter_back, guard=guard)
+        if planner is None:
+            planner = await cls.create_planner(drafter, guard)
+        return cls(target, drafter, planner, hidden=hidden, on_drafter_back=on_drafter_back)
 
     async def profile(self) -> None:
-        """The goodput policy's cost model starts from a timed sweep of this target's verify forward."""
+        """The goodput policy's cost model starts from a timed sweep of this target's verify forward and of
+        the drafter's forwards."""
         if self.drafter is None:
             return
-        request = await self.drafter.cost_profile_request()
+        request = self.planner.cost_profile_request()
         if request is not None:
-            profile = await self.target.profile_verify(**request)
-            await self.drafter.set_cost_profile(profile["verify"], pad_weight=profile["pad_weight"],
-                                                ragged=profile["ragged"])
+            verify = await self.target.profile_verify(**request)
+            drafting = await self.drafter.profile_drafting()
+            self.planner.set_cost_profile(verify["verify"], drafting["draft"],
+                                          pad_weight=verify["pad_weight"], ragged=verify["ragged"],
+                                          catch_up=drafting["catch_up"])
 
     def _speculates(self, seq: Sequence) -> bool:
         return (self.drafter is not None and seq.request.spec.enabled
@@ -194,8 +167,8 @@ class SpecStep:
         try:
             return await self._start(seqs)
         finally:
-            if self.guard is not None:
-                self.guard.prefill(t0, time.perf_counter())
+            if self.planner.guard is not None:
+                self.planner.guard.prefill(t0, time.perf_counter())
 
     async def _start(self, seqs: list[Sequence]) -> list[list[int]]:
         first, hidden = await self.target.start([s.request for s in seqs], return_hidden=self.hidden)
@@ -211,68 +184,44 @@ class SpecStep:
                     [list(first[i]) for i in drafting],
                     [hidden[i] for i in drafting] if hidden is not None else None,
                 )
+                self.planner.start([seqs[i].request for i in drafting], [list(first[i]) for i in drafting])
             except Exception as exc:
                 self._drafter_failed(exc, [seqs[i].request_id for i in drafting])
         return new_tokens
 
     async def step(self, seqs: list[Sequence]) -> list[StepOutcome]:
-        """One draft + verify round for every unfinished request of `seqs`."""
+        """One plan, propose, verify, apply, observe round for every unfinished request of `seqs`."""
         live = [s for s in seqs if not s.finished]
         if not live:
             return []
         t0 = time.perf_counter()
         ids = [s.request_id for s in live]
         drafting = [s for s in live if self._speculates(s)]
-        eligible = bool(drafting)
-        allowed = self.guard is None or self.guard.allowed
-        skipped: set[str] = set()
-        if drafting and not allowed:
-            self.guarded_steps += 1
-            skipped = {s.request_id for s in drafting}
-            drafting = []
-        elif drafting and self.pause.skip(len(drafting)):
-            skipped = {s.request_id for s in drafting}
-            drafting = []
-        proposed = []
-        if drafting:
-            items = [s.next_draft_item() for s in drafting]
+        plan = self.planner.plan(drafting)
+        proposed: list[Draft] = []
+        propose_seconds = 0.0
+        if plan.items:
             try:
-                proposed = await self.drafter.propose(items, last_verify=self._last_verify,
-                                                      step_times=self._step_times or None,
-                                                      plain_verifies=self._plain_verifies or None)
-                self._step_times, self._plain_verifies = [], []
+                proposed = await self.drafter.propose(plan.items)
             except Exception as exc:
-                self._drafter_failed(exc, [s.request_id for s in drafting])
-                drafting = []
-            # only a drafter that shares the target's device and thread costs the step its time; an
-            # actor of its own (the router's) works while the target verifies
-            self.pause.asked(len(proposed), any(d.tokens for d in proposed), self.drafter.mode == "direct")
+                self._drafter_failed(exc, [item.request_id for item in plan.items])
+            propose_seconds = time.perf_counter() - t0
         asked = {d.request_id for d in proposed}
         plain = [Draft(s.request_id, []) for s in live if s.request_id not in asked]
         drafts = _in_order([*proposed, *plain], ids, "propose")
         results = _in_order(await self.target.verify(drafts, return_hidden=self.hidden), ids, "verify")
-        if drafting:
-            rows = [1 + len(d.tokens) for d in drafts]
-            emitted = sum(len(r.new_tokens) for r in results)
-            self._last_verify = (rows, results[0].verify_seconds, emitted)
-        elif skipped and len(self._plain_verifies) < STEP_TIMES_MAX:
-            self._plain_verifies.append((len(live), results[0].verify_seconds))
         outcomes = []
         for seq, draft, result in zip(live, drafts, results, strict=True):
             version = draft.drafter_version if result.num_drafted else None
-            emitted = seq.apply(result, drafter_version=version, drafter_skipped=seq.request_id in skipped)
+            skipped = seq.request_id in plan.skipped
+            emitted = seq.apply(result, drafter_version=version, drafter_skipped=skipped)
             outcomes.append(StepOutcome(seq, draft, result, emitted))
-        colocated = self.drafter is not None and self.drafter.mode == "direct"
-        # Only steps with a speculating request teach the drafter what host work drafting adds: a step of
-        # target-only requests alone (the engine bench's step-paired twin batch, or traffic with speculation
-        # off) has no drafter work at all, and counted as a plain step it made drafting look dearer
-        # (docs/decisions/bench-method.md).
-        if colocated and eligible and len(self._step_times) < STEP_TIMES_MAX:
-            seconds = time.perf_counter() - t0 - results[0].verify_seconds
-            self._step_times.append((len(live), any(d.tokens for d in drafts), bool(proposed), seconds))
-        if self.guard is not None and eligible:
-            emitted = sum(len(o.new_tokens) for o in outcomes)
-            self.guard.step(t0, time.perf_counter(), emitted, len(live), allowed)
+        t1 = time.perf_counter()
+        self.planner.observe(StepRecord(
+            batch=len(live), eligible=bool(drafting), allowed=plan.allowed, skipped=bool(plan.skipped),
+            drafts=proposed, results=results, rows=[1 + len(d.tokens) for d in drafts],
+            verify_seconds=results[0].verify_seconds, propose_seconds=propose_seconds,
+            host_seconds=t1 - t0 - results[0].verify_seconds, started=t0, finished=t1))
         return outcomes
 
     async def release(self, request_ids: list[str]) -> None:
@@ -280,6 +229,7 @@ class SpecStep:
         if not request_ids:
             return
         self.target_only.difference_update(request_ids)
+        self.planner.release(request_ids)
         await self.target.release(request_ids)
         if self.drafter is not None and self.drafter_down_since is None:
             try:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from specd.workers.core.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specd.workers.core.gamma import GammaPolicy, GammaState
+    from specd.workers.drafters.base import DraftHint
 
 
 class FinishReason(StrEnum):
@@ -55,13 +60,23 @@ class NewRequest:
 @dataclass
 class DraftItem:
     """Ask the drafter for one step of one request. `commit` carries the previous step's outcome so the
-    drafter rolls back and appends the target's tokens in the same call (one round trip per step)."""
+    drafter rolls back and appends the target's tokens in the same call (one round trip per step). The
+    scheduler's SpeculationPlanner (workers/engine/planner.py) fills in the plan: γ (a tree's depth), the
+    tree's width, the stopping rule, and what the drafter should report for the next plan."""
 
     request_id: str
-    gamma: int                                  # planned draft length; 0 = no drafting this step
+    gamma: int                                  # planned draft length (tree: depth); 0 = no drafting
     commit_accepted: int = 0                    # accepted drafts of the previous step
     commit_new_tokens: list[int] = field(default_factory=list)  # accepted drafts + recovered/bonus token
     commit_hidden: torch.Tensor | None = None   # [len(commit_new_tokens), hidden]: VerifyResult.hidden
+    width: int = 1                              # tree requests: candidates per level
+    # EGAG / confidence: the policy whose keep_drafting stops the draft on the drafter's distribution, and
+    # the request's state it reads (its threshold follows ema_acceptance; EGAG updates ema_entropy, which
+    # Draft.ema_entropy brings back). None: draft γ tokens.
+    stop: GammaPolicy | None = None
+    stop_state: GammaState | None = None
+    hint_cap: int = 0                           # > 0: report the drafter's DraftHint at this cap (goodput)
+    fallback: bool = False                      # draft the lookup draft of the latest fallback hint
 
 
 @dataclass
@@ -75,6 +90,15 @@ class Draft:
     probs: torch.Tensor | None = None           # [len(tokens), vocab] q, None when drafts are deterministic
     parents: list[int] | None = None            # tree: parent per node (node 0 = root); None = chain
     drafter_version: str = ""
+    # What the planner learns from the drafter with the draft (planning data, no costs):
+    hint: DraftHint | None = None               # DraftHint before this draft (DraftItem.hint_cap > 0)
+    pending: int = 0                            # context a model draft would take in first, after this one
+    ema_entropy: float | None = None            # EGAG: the request's entropy EMA after drafting
+    draft_seconds: float = 0.0                  # the drafter's forwards of this propose call, whole batch
+    # the drafter's weights changed (a hot swap) before this draft: the planner measures the new version's
+    # acceptance afresh from its held-out figure (None: unknown)
+    version_changed: bool = False
+    held_out_acceptance: float | None = None
 
 
 @dataclass

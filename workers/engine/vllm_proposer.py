@@ -50,6 +50,7 @@ import numpy as np
 from specd.configs.schema import DrafterConfig, SpecConfig
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.planner import SpeculationPlanner
 from specd.workers.engine.types import DraftItem, NewRequest, SpecParams
 
 ENV_SETTINGS = "SPECD_VLLM_PROPOSER_CONFIG"
@@ -148,6 +149,10 @@ class SpecdProposer:
         self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
         # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.
         self.spec = replace(SpecParams.from_config(spec_cfg, enabled=True), gamma=self.gamma, tree_width=1)
+        # the γ plan, as the in-process engine's and the router's (its cost model stays the prior's: vLLM's
+        # step times are not seen here)
+        self.planner = SpeculationPlanner(spec_cfg, max_seq_len=self.worker.max_seq_len,
+                                          held_out_acceptance=self.worker.drafter.held_out_acceptance)
         self.tracked: dict[bytes, list[_Tracked]] = {}
         self._next_id = 0
         self._swap_mtime = self._swap_stat()
@@ -196,7 +201,10 @@ class SpecdProposer:
         self._evict(needed=len(starts))
         if starts:
             self.worker.start([r for r, _ in starts], [f for _, f in starts])
+            self.planner.start([r for r, _ in starts], [f for _, f in starts])
+        self.planner.plan_items(items)
         drafts = self.worker.propose(items) if items else []
+        self.planner.observe_drafts(drafts)
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         for (i, seq, history), draft in zip(rows, drafts, strict=True):
             seq.drafted = list(draft.tokens)
@@ -239,6 +247,7 @@ class SpecdProposer:
                 del self.tracked[seq.key]
         if drop:
             self.worker.release([s.request_id for s in drop])
+            self.planner.release([s.request_id for s in drop])
 
     def _swap_stat(self) -> float | None:
         swap = self.settings.swap_file

@@ -9,6 +9,7 @@ import pytest
 from specd.configs import load_config
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.planner import SpeculationPlanner
 from specd.workers.engine.spec_engine import SpecEngine
 from specd.workers.engine.target_worker import TargetWorker
 from specd.workers.engine.types import NewRequest, SpecParams
@@ -55,15 +56,15 @@ def test_greedy_output_equals_target_only(cfg, target, kind, spec):
 def test_cost_profile_is_measured_and_followed(cfg, target):
     cfg.drafter.kind = "model"
     drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
-    SpecEngine(target, drafter)
-    # The sweep ran on this target: batch sizes that fit its 6 slots, 1..1+gamma_max tokens per row.
-    assert sorted(drafter.costs.verify_table) == [1, 4]
-    rows = drafter.costs.verify_table.values()
-    assert all(len(row) == 1 + cfg.spec.gamma_max and min(row) > 0 for row in rows)
-    assert sorted(drafter.costs.draft_table) == [1, 4]
     engine = SpecEngine(target, drafter)
+    costs = engine.step.planner.costs
+    # The sweep ran on this target: batch sizes that fit its 6 slots, 1..1+gamma_max tokens per row.
+    assert sorted(costs.verify_table) == [1, 4]
+    rows = costs.verify_table.values()
+    assert all(len(row) == 1 + cfg.spec.gamma_max and min(row) > 0 for row in rows)
+    assert sorted(costs.draft_table) == [1, 4]
     _run(engine, SpecParams(gamma=5, policy="goodput"), SamplingParams(temperature=0.8, seed=3))
-    stats = drafter.goodput_stats()
+    stats = engine.step.planner.goodput_stats()
     assert stats["predicted"] > 0 and stats["measured"] > 0
     assert target.free_slots() == cfg.target.max_slots
 
@@ -94,8 +95,9 @@ def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch
     # forwards whose cost barely grows with drafted tokens (not this machine's start-up profile, which a
     # loaded machine skews): drafting pays, unless its host work is counted
     flat = {b: [0.003 + 0.0001 * n for n in range(1 + cfg.spec.gamma_max)] for b in (1, 4)}
-    drafter.set_cost_profile(flat, draft={1: 0.0, 4: 0.0})
-    drafter.costs.beta = 0.0        # and kept: measured forwards do not move it (HOST_BETA_UP still applies)
+    planner = engine.step.planner
+    planner.set_cost_profile(flat, {1: 0.0, 4: 0.0})
+    planner.costs.beta = 0.0        # and kept: measured forwards do not move it (HOST_BETA_UP still applies)
     propose = drafter.propose
 
     def slow_propose(items, **kw):
@@ -112,10 +114,10 @@ def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch
     drafting = sum(1 for s in seqs for g in s.stats.gamma_history if g > 0)
     if host_seconds:
         # a few drafting steps measure it (two in a row), the rest do not draft
-        assert max(drafter.costs.host_draft.values()) > host_seconds / 4
+        assert max(planner.costs.host_draft.values()) > host_seconds / 4
         assert drafting <= steps // 3, (drafting, steps)
     else:
-        assert drafter.costs.host_seconds(len(PROMPTS)) < 0.02
+        assert planner.costs.host_seconds(len(PROMPTS)) < 0.02
         assert drafting >= steps // 2, (drafting, steps)
     assert target.free_slots() == cfg.target.max_slots
 
@@ -193,14 +195,14 @@ def test_ragged_cost_is_timed_in_pairs_beside_a_plain_forward(monkeypatch) -> No
 
 def test_estimates_start_from_the_drafters_held_out_acceptance(cfg, tiny_drafter_dir, tmp_path):
     """A drafter whose training record says its greedy choice matched 12% of held-out tokens seeds the
-    worker's per-position counts and the suffix drafter's per-request model estimate with 0.12, not a
+    planner's per-position counts and the suffix drafter's per-request model estimate with 0.12, not a
     flat 0.6; an operator's spec.goodput_prior wins; a record without the figure falls back to 0.6, and
     so do versions swapped in without one (online versions)."""
     import json
     import shutil
 
+    from specd.workers.core.gamma import ACCEPTANCE_PRIOR as DEFAULT_PRIOR
     from specd.workers.drafters.versions import META_FILE
-    from specd.workers.engine.draft_worker import DEFAULT_PRIOR
 
     drafter_dir = tmp_path / "drafter"
     shutil.copytree(tiny_drafter_dir, drafter_dir)
@@ -214,16 +216,20 @@ def test_estimates_start_from_the_drafters_held_out_acceptance(cfg, tiny_drafter
                          "drafter.max_slots=2", "drafter.kind=suffix", *overrides])
         return DraftWorker(c.drafter, c.spec, str(cfg.target.model_path))
 
+    def planner(w):
+        info = w.planning_info()
+        return SpeculationPlanner(info["spec"], held_out_acceptance=info["held_out_acceptance"])
+
     seeded = worker()
-    assert seeded.positions[True].alpha()[0] == pytest.approx(0.12)
+    assert planner(seeded).positions[True].alpha()[0] == pytest.approx(0.12)
     assert seeded.drafter.model_prior == pytest.approx(0.12)
-    assert worker("spec.goodput_prior=0.5").positions[False].alpha()[0] == pytest.approx(0.5)
+    assert planner(worker("spec.goodput_prior=0.5")).positions[False].alpha()[0] == pytest.approx(0.5)
     online = tmp_path / "online"
     shutil.copytree(drafter_dir, online)
     (online / META_FILE).write_text(json.dumps({"version": "online-1"}))
     seeded.drafter.weights_drafter.load(online)
     assert seeded.drafter.model_prior == DEFAULT_PRIOR
-    assert seeded._fresh_positions()[True].alpha()[0] == DEFAULT_PRIOR
+    assert planner(seeded).positions[True].alpha()[0] == DEFAULT_PRIOR
     record["train"] = {}
     meta.write_text(json.dumps(record))
-    assert worker().positions[True].alpha()[0] == DEFAULT_PRIOR
+    assert planner(worker()).positions[True].alpha()[0] == DEFAULT_PRIOR

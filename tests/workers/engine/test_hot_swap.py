@@ -12,8 +12,12 @@ import torch
 from specd.configs import load_config
 from specd.drafter_trainer.drafter_format import load_drafter
 from specd.drafter_trainer.publish import VersionStore
+from specd.workers.core.gamma import ACCEPTANCE_PRIOR as DEFAULT_PRIOR
+from specd.workers.core.sampling import SamplingParams
 from specd.workers.drafters.versions import VersionError, read_pin, target_checksum
-from specd.workers.engine.draft_worker import DEFAULT_PRIOR, DraftWorker
+from specd.workers.engine.draft_worker import DraftWorker
+from specd.workers.engine.planner import SpeculationPlanner
+from specd.workers.engine.types import DraftItem, NewRequest
 from tests.drafter_trainer.online_helpers import make_tiny_drafter
 
 
@@ -28,6 +32,18 @@ def _worker(tiny_llama_dir, drafter_dir) -> DraftWorker:
     cfg = load_config([f"target.model_path={tiny_llama_dir}", f"drafter.path={drafter_dir}",
                        "drafter.max_slots=4", "drafter.dtype=float32", "drafter.pack=none"])
     return DraftWorker(cfg.drafter, cfg.spec, str(tiny_llama_dir))
+
+
+def _planner(worker: DraftWorker) -> SpeculationPlanner:
+    info = worker.planning_info()
+    return SpeculationPlanner(info["spec"], held_out_acceptance=info["held_out_acceptance"])
+
+
+def _one_step(worker: DraftWorker, planner: SpeculationPlanner, rid: str) -> None:
+    """One propose for a fresh request; the planner reads what the drafter reported beside the draft."""
+    worker.start([NewRequest(rid, [1, 2, 3], SamplingParams(), 8)], [[4]])
+    planner.observe_drafts(worker.propose([DraftItem(rid, 2)]))
+    worker.release([rid])
 
 
 def _publish(store: VersionStore, drafter_dir, tiny_llama_dir, scale: float = 0.1, **kw) -> str:
@@ -46,27 +62,31 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
     swapper.stop()               # no background checks racing the ones below (it checked an empty store)
     head_before = worker.drafter.weights_drafter.runner.model.lm_head.weight.clone()
 
-    worker.positions[True].observe(3, 0)          # the old version's drafts were all rejected ...
-    low = worker.positions[True].alpha()[0]
+    planner = _planner(worker)
+    planner.positions[True].observe(3, 0)         # the old version's drafts were all rejected ...
+    low = planner.positions[True].alpha()[0]
+    _one_step(worker, planner, "before")
+    assert planner.positions[True].alpha()[0] == low                # no swap: the counts stay
     good = _publish(store, token_dir, tiny_llama_dir)
     assert swapper.check() == good
     assert worker.swap_stats()["version"] == start                 # parked, not applied until the next step
     worker.propose([])
     assert worker.swap_stats()["version"] == good and worker.swap_stats()["swaps"] == 1
     assert not torch.equal(worker.drafter.weights_drafter.runner.model.lm_head.weight, head_before)
-    # ... the new version's acceptance is measured afresh from the prior, not seeded with the old one's
-    # (this version's record carries no held-out figure: the default prior)
-    assert worker.positions[True].alpha()[0] == DEFAULT_PRIOR > low
+    # ... the planner hears of the swap with the next drafts, and measures the new version's acceptance
+    # afresh from the prior, not seeded with the old one's (no held-out figure here: the default prior)
+    _one_step(worker, planner, "after")
+    assert planner.positions[True].alpha()[0] == DEFAULT_PRIOR > low
     assert worker.drafter.held_out_acceptance is None
 
     # A version whose record carries its held-out acceptance (the trainer's gate score) is expected to
     # draft at that rate: the flat prior had a weak swapped-in version draft far more than it earned.
     scored = _publish(store, token_dir, tiny_llama_dir, held_out_acceptance=0.17)
     assert swapper.check() == scored
-    worker.propose([])
+    _one_step(worker, planner, "scored")
     assert worker.swap_stats()["version"] == scored
     assert worker.drafter.held_out_acceptance == 0.17
-    assert worker.positions[True].alpha()[0] == pytest.approx(0.17)
+    assert planner.positions[True].alpha()[0] == pytest.approx(0.17)
     good = scored
 
     caplog.set_level(logging.WARNING, logger="specd.workers.engine.hot_swap")

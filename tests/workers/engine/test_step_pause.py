@@ -1,8 +1,8 @@
-"""DrafterPause: when the in-process engine leaves a drafter that drafted nothing alone (step.py)."""
+"""DrafterPause: when the in-process engine leaves a drafter that drafted nothing alone (planner.py)."""
 
 from __future__ import annotations
 
-from specd.workers.engine.step import PAUSE_MAX_STEPS, PAUSE_MIN_BATCH, PAUSE_STEPS, DrafterPause
+from specd.workers.engine.planner import PAUSE_MAX_STEPS, PAUSE_MIN_BATCH, PAUSE_STEPS, DrafterPause
 
 
 def _run(pause: DrafterPause, steps: int, batch: int = 16, drafts: bool = False) -> list[bool]:

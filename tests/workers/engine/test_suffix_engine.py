@@ -11,7 +11,7 @@ import torch
 from specd.configs import load_config
 from specd.workers.core import verify_chain, verify_tree
 from specd.workers.core.sampling import SamplingParams
-from specd.workers.engine import step as step_module
+from specd.workers.engine import planner as planner_module
 from specd.workers.engine.draft_worker import DraftWorker
 from specd.workers.engine.spec_engine import SpecEngine
 from specd.workers.engine.target_worker import TargetWorker
@@ -117,14 +117,14 @@ def test_sampled_output_has_the_target_distribution(exact_workers, tree_width, p
     """Seed the global index with several continuations of the prompt, then sample: drafts come from the
     index (and from the outputs of earlier samples, indexed as they finish), one-hot q, exact output."""
     # 1000 requests in one batch: a step that drafts nothing must not pause the drafter for the rest
-    monkeypatch.setattr(step_module, "PAUSE_STEPS", 0)
+    monkeypatch.setattr(planner_module, "PAUSE_STEPS", 0)
     pvalue = _sampled_pvalue(exact_workers, tree_width, 1000, policy)
     assert pvalue > 1e-3, f"p-value {pvalue:.2e}: the engine's tokens are not target-distributed"
 
 
 def test_the_same_test_fails_on_a_broken_verifier(exact_workers, monkeypatch):
     """Recovering from p instead of norm(max(0, p - q)) over-weights the drafted tokens: detected."""
-    monkeypatch.setattr(step_module, "PAUSE_STEPS", 0)
+    monkeypatch.setattr(planner_module, "PAUSE_STEPS", 0)
     for module in (verify_chain, verify_tree):
         monkeypatch.setattr(module, "residual_weights", lambda p, q: p)
     pvalue = _sampled_pvalue(exact_workers, 1, 500)

@@ -232,12 +232,12 @@ def _record_drafter_input(drafter, monkeypatch) -> dict[str, list[int]]:
 
 
 def test_steps_that_pause_the_drafter_reach_it_whole(cfg, target, hidden_drafter_dir, monkeypatch):
-    """A batch that drafted nothing pauses the drafter (workers/engine/step.py); the outcomes of the paused
+    """A batch that drafted nothing pauses the drafter (workers/engine/planner.py); the outcomes of the paused
     steps, tokens and the target states that predicted them, reach it together with the next DraftItem (a
     hidden-state drafter checks that their counts agree), and output stays target-only's."""
-    from specd.workers.engine import step as step_module
+    from specd.workers.engine import planner as planner_module
 
-    monkeypatch.setattr(step_module, "PAUSE_MIN_BATCH", 1)
+    monkeypatch.setattr(planner_module, "PAUSE_MIN_BATCH", 1)
     off = SpecParams(enabled=False)
     base = SpecEngine(target).generate(
         [NewRequest(f"pb{i}", p, SamplingParams(), 40, off) for i, p in enumerate(PROMPTS)], ignore_eos=True

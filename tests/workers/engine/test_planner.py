@@ -1,0 +1,136 @@
+"""SpeculationPlanner alone (unit tests of one module): what the plan carries to the drafter, and what it
+learns from the drafts and the step. The planner's end-to-end behaviour runs in the engine tests
+(test_goodput_engine.py, test_suffix_engine.py) and the router's (tests/cluster)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from specd.configs.schema import SpecConfig
+from specd.workers.core.gamma import ACCEPTANCE_PRIOR, EntropyGamma
+from specd.workers.core.goodput import CostProfile
+from specd.workers.core.guard import SpeculationGuard
+from specd.workers.core.sampling import SamplingParams
+from specd.workers.drafters.base import DraftHint
+from specd.workers.engine.planner import PAUSE_MIN_BATCH, PAUSE_STEPS, SpeculationPlanner, StepRecord
+from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.types import Draft, NewRequest, SpecParams, VerifyResult
+
+
+def _seqs(planner: SpeculationPlanner, n: int, spec: SpecParams, max_new: int = 32) -> list[Sequence]:
+    reqs = [NewRequest(f"r{i}", [1, 2, 3], SamplingParams(), max_new, spec) for i in range(n)]
+    planner.start(reqs, [[4]] * n)
+    seqs = [Sequence(r) for r in reqs]
+    for s in seqs:
+        s.start([4])
+    return seqs
+
+
+def _step(planner: SpeculationPlanner, seqs: list[Sequence], drafts: list[Draft], accepted: int = 0) -> None:
+    """Verify `drafts` as if `accepted` of each were accepted, apply and observe."""
+    results = [VerifyResult(d.request_id, len(d.tokens), min(accepted, len(d.tokens)),
+                            [*d.tokens[:accepted], 9], accepted >= len(d.tokens), verify_seconds=0.01)
+               for d in drafts]
+    for seq, result in zip(seqs, results, strict=True):
+        seq.apply(result)
+    planner.observe(StepRecord(
+        batch=len(seqs), eligible=True, allowed=True, skipped=False, drafts=drafts, results=results,
+        rows=[1 + len(d.tokens) for d in drafts], verify_seconds=0.01, propose_seconds=0.001,
+        host_seconds=0.002, started=0.0, finished=0.02))
+
+
+def test_fixed_plans_the_cap_and_egag_sends_its_stopping_rule() -> None:
+    planner = SpeculationPlanner(SpecConfig(policy="fixed"))
+    fixed = planner.plan(_seqs(planner, 1, SpecParams(gamma=3, policy="fixed"), max_new=3)).items[0]
+    assert fixed.gamma == 1 and fixed.stop is None and fixed.hint_cap == 0   # 2 tokens left: 1 draft
+    planner = SpeculationPlanner(SpecConfig(policy="egag"))
+    seqs = _seqs(planner, 1, SpecParams(gamma=5, policy="egag"))
+    item = planner.plan(seqs).items[0]
+    assert item.gamma == 5 and isinstance(item.stop, EntropyGamma)
+    assert item.stop_state is planner.requests["r0"].state
+    # Through Ray the state travels as a copy: the drafter's entropy EMA comes back beside the draft
+    remote = copy.deepcopy(item.stop_state)
+    item.stop.keep_drafting(remote, 1, _peaked(0.5))
+    assert remote.ema_entropy > 0 and planner.requests["r0"].state.ema_entropy == 0.0
+    _step(planner, seqs, [Draft("r0", [7, 7], ema_entropy=remote.ema_entropy)])
+    assert planner.requests["r0"].state.ema_entropy == remote.ema_entropy
+
+
+def _peaked(top: float):
+    import torch
+
+    q = torch.full((8,), (1.0 - top) / 7)
+    q[0] = top
+    return q
+
+
+def test_outcomes_reach_the_policy_with_the_next_plan_and_drafts_set_the_next_depth() -> None:
+    planner = SpeculationPlanner(SpecConfig(policy="adaptive"))
+    seqs = _seqs(planner, 1, SpecParams(gamma=4, policy="adaptive"))
+    before = planner.requests["r0"].state.ema_acceptance
+    planner.plan(seqs)
+    _step(planner, seqs, [Draft("r0", [7, 7, 7, 7])], accepted=0)
+    assert planner.requests["r0"].last_drafted == 4
+    planner.plan(seqs)                                  # the commit of 0 of 4 reaches ρ now
+    assert planner.requests["r0"].state.ema_acceptance < before
+    assert planner.positions[True].drafted[0] == 1 and planner.positions[True].accepted[0] == 0
+
+
+def test_goodput_plans_from_the_hint_the_drafter_returned_with_its_last_draft() -> None:
+    planner = SpeculationPlanner(SpecConfig(policy="goodput", gamma_max=4))
+    planner.set_cost_profile({1: [0.01 * (1 + 0.05 * n) for n in range(5)]}, {1: 0.004})
+    seqs = _seqs(planner, 1, SpecParams(gamma=4, policy="goodput"))
+    item = planner.plan(seqs).items[0]
+    assert item.hint_cap == 4 and not planner.requests["r0"].hinted      # no hint yet: planned from ρ
+    sure = DraftHint([0.99, 0.99, 0.99, 0.99], free=True)
+    _step(planner, seqs, [Draft("r0", [7] * item.gamma, hint=sure)], accepted=item.gamma)
+    item = planner.plan(seqs).items[0]
+    assert planner.requests["r0"].hinted and item.gamma == 4              # a free, sure draft: all of it
+    _step(planner, seqs, [Draft("r0", [7] * 4, hint=DraftHint([0.01], free=True))], accepted=0)
+    assert planner.requests["r0"].last_hinted and planner.requests["r0"].hint.alpha == [0.01]
+    positions = list(planner.positions[True].drafted)
+    planner.plan(seqs)
+    # the hinted step's outcome is the hinting drafter's to learn, not the model drafter's counts
+    assert planner.positions[True].drafted == positions
+
+
+def test_a_version_change_restarts_the_per_position_counts_from_its_held_out_figure() -> None:
+    planner = SpeculationPlanner(SpecConfig(policy="fixed"), held_out_acceptance=0.3)
+    assert planner.positions[True].alpha()[0] == pytest.approx(0.3)
+    planner.positions[True].observe(3, 0)
+    low = planner.positions[True].alpha()[0]
+    seqs = _seqs(planner, 1, SpecParams(gamma=3))
+    planner.plan(seqs)
+    _step(planner, seqs, [Draft("r0", [7])])
+    assert planner.positions[True].alpha()[0] == low
+    planner.plan(seqs)
+    _step(planner, seqs, [Draft("r0", [7], version_changed=True, held_out_acceptance=None)])
+    assert planner.positions[True].alpha()[0] == ACCEPTANCE_PRIOR
+
+
+def test_a_colocated_drafter_that_drafts_nothing_is_paused_and_the_guard_skips() -> None:
+    planner = SpeculationPlanner(SpecConfig(policy="fixed"), colocated=True)
+    seqs = _seqs(planner, PAUSE_MIN_BATCH, SpecParams(gamma=3))
+    plan = planner.plan(seqs)
+    _step(planner, seqs, [Draft(item.request_id, []) for item in plan.items])
+    for _ in range(PAUSE_STEPS):
+        plan = planner.plan(seqs)
+        assert not plan.items and plan.skipped == {s.request_id for s in seqs}
+    assert planner.plan(seqs).items and planner.pause.paused_steps == PAUSE_STEPS
+    guarded = SpeculationPlanner(SpecConfig(policy="fixed"), guard=SpeculationGuard(4))
+    guarded.guard.window.mode = "off"
+    seqs = _seqs(guarded, 2, SpecParams(gamma=3))
+    plan = guarded.plan(seqs)
+    assert not plan.allowed and not plan.items and guarded.guarded_steps == 1
+
+
+def test_cost_profile_request_and_profile() -> None:
+    assert SpeculationPlanner(SpecConfig(policy="fixed")).cost_profile_request() is None
+    spec = SpecConfig(policy="goodput", gamma_max=4, goodput_profile_batch_sizes=[1, 4])
+    planner = SpeculationPlanner(spec)
+    assert planner.cost_profile_request() == {"batch_sizes": [1, 4], "max_tokens": 5}
+    planner.set_cost_profile({1: [0.01] * 5, 4: [0.02] * 5}, {1: 0.001, 4: 0.002}, catch_up=0.0001)
+    assert planner.controller.costs is planner.costs and planner.costs.profile == CostProfile(
+        verify={1: [0.01] * 5, 4: [0.02] * 5}, draft={1: 0.001, 4: 0.002}, catch_up=0.0001)
