@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specd.workers.drafters.base import DraftHint
 from specd.workers.drafters.registry import drafter_class
 from specd.workers.engine.gc_freeze import freeze_loaded_objects
 from specd.workers.engine.host_memory import keep_freed_memory
@@ -169,10 +170,7 @@ class DraftWorker:
         width, the stopping rule); the drafts carry what the planner reads for the next plan."""
         t0 = time.perf_counter()
         self._apply_pending_swap()
-        for item in items:
-            if item.commit_new_tokens:
-                extra = {"hidden": item.commit_hidden} if self.drafter.uses_target_hidden else {}
-                self.drafter.commit(item.request_id, item.commit_accepted, item.commit_new_tokens, **extra)
+        self._commit(items)
         hints = self._hints(items)
         fallback = [item.request_id for item in items if item.fallback]
         if fallback:
@@ -198,6 +196,25 @@ class DraftWorker:
                 d.version_changed, d.held_out_acceptance = True, self.drafter.held_out_acceptance
         self._busy += t2 - t0
         return [drafts[item.request_id] for item in items]
+
+    def prepare(self, items: list[DraftItem]) -> dict[str, tuple[DraftHint | None, int]]:
+        """Commit each item's previous outcome and look up the hints its plan asks for (hint_cap > 0):
+        request id -> (DraftHint or None, pending context). A planner in this process (the in-process
+        engine, the vLLM proposer) calls this before it plans, so it plans from this step's hints; through
+        Ray, propose does both and the hints reach the next plan (one round trip a step)."""
+        t0 = time.perf_counter()
+        self._apply_pending_swap()
+        self._commit(items)
+        hints = self._hints(items)
+        self._busy += time.perf_counter() - t0
+        return {item.request_id: (hints.get(item.request_id), self.drafter.pending_context(item.request_id))
+                for item in items}
+
+    def _commit(self, items: list[DraftItem]) -> None:
+        for item in items:
+            if item.commit_new_tokens:
+                extra = {"hidden": item.commit_hidden} if self.drafter.uses_target_hidden else {}
+                self.drafter.commit(item.request_id, item.commit_accepted, item.commit_new_tokens, **extra)
 
     def _hints(self, items: list[DraftItem]) -> dict:
         """The drafter's DraftHints where the plan asked for them (request id -> hint)."""

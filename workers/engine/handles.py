@@ -102,6 +102,9 @@ class DrafterHandle(_Handle):
     ) -> None:
         await self._call(self.worker.start, requests, first_tokens, prompt_hidden)
 
+    async def prepare(self, items: list[DraftItem]) -> dict:
+        return await self._call(self.worker.prepare, items)
+
     async def propose(self, items: list[DraftItem]) -> list[Draft]:
         return await self._call(self.worker.propose, items)
 

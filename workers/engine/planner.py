@@ -8,13 +8,17 @@ it twice:
 
     plan(seqs)         which requests ask the drafter, and their DraftItems: γ (a tree's depth and width),
                        EGAG / confidence's stopping rule, whether to report a hint or draft a fallback
+                       (begin, then decide; with the drafter in this process, take_hints in between)
     observe(record)    the step's StepRecord: verify, propose and host times, the drafts (with what the
                        drafter reported beside them) and each request's outcome
 
-The drafter itself learns nothing of costs. What the plan reads of the drafter arrives with the drafts,
-so it is one step old: the suffix drafter's DraftHint for a request (its predicted acceptance), the
-context a model draft would take in first, EGAG's entropy EMA, and a hot swap of the drafter's weights
-(its per-position counts then start again from the new version's held-out acceptance).
+The drafter itself learns nothing of costs. What the plan reads of the drafter: the suffix drafter's
+DraftHint for a request (its predicted acceptance) and the context a model draft would take in first.
+Where the drafter shares the planner's process (the in-process engine, the vLLM proposer) it commits the
+previous outcome and returns both before the plan (DraftWorker.prepare, direct calls, no extra round
+trip); through Ray they arrive with the drafts, one step old. EGAG's entropy EMA and a hot swap of the
+drafter's weights (its per-position counts then start again from the new version's held-out acceptance)
+arrive with the drafts either way.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ class _Request:
     last_depth: int | None = None
     hinted: bool = False            # this step is planned from the drafter's DraftHint (a lookup draft)
     last_hinted: bool = False
-    hint: object | None = None      # the drafter's latest DraftHint (one step old)
+    hint: object | None = None      # the drafter's latest DraftHint (one step old through Ray)
     pending: int = 0                # context a model draft would take in first, after the latest draft
 
 
@@ -194,8 +198,16 @@ class SpeculationPlanner:
 
     # ---- plan -----------------------------------------------------------------------------------------
     def plan(self, drafting: list[Sequence]) -> StepPlan:
-        """The step's plan for the unfinished requests that speculate: none asks the drafter while the
-        guard has speculation off or the pause holds; otherwise one DraftItem each."""
+        """The step's plan from the hints the drafter returned with its previous drafts (begin, then
+        decide): how a planner whose drafter is in another process plans."""
+        out = self.begin(drafting)
+        self.decide(out.items)
+        return out
+
+    def begin(self, drafting: list[Sequence]) -> StepPlan:
+        """The step's DraftItems, undecided: none asks the drafter while the guard has speculation off or the
+        pause holds; otherwise one each, with its previous outcome learned (learn). A drafter in this
+        process may now commit and hint (take_hints) before decide fills in the plan."""
         out = StepPlan(allowed=self.guard is None or self.guard.allowed)
         if drafting and not out.allowed:
             self.guarded_steps += 1
@@ -205,13 +217,20 @@ class SpeculationPlanner:
             out.skipped = {s.request_id for s in drafting}
             return out
         out.items = [s.next_draft_item() for s in drafting]
-        self.plan_items(out.items)
+        self.learn(out.items)
         return out
 
-    def plan_items(self, items: list[DraftItem]) -> None:
-        """Fill in the plan of DraftItems whose gamma is the request's γ cap (Sequence.next_draft_item), and
-        learn each one's previous outcome from its commit. The vLLM proposer plans with this alone."""
-        planned = []
+    def plan_items(self, items: list[DraftItem], prepare=None) -> None:
+        """Fill in the plan of DraftItems whose gamma is the request's γ cap (Sequence.next_draft_item).
+        prepare: the drafter's DraftWorker.prepare when it runs in this process (fresh hints), else None.
+        The vLLM proposer plans with this alone."""
+        self.learn(items)
+        if prepare is not None and items:
+            self.take_hints(items, prepare(items))
+        self.decide(items)
+
+    def learn(self, items: list[DraftItem]) -> None:
+        """Learn each item's previous outcome from its commit, and ask for the hints goodput plans from."""
         for item in items:
             r = self.requests[item.request_id]
             if item.commit_new_tokens:
@@ -222,7 +241,25 @@ class SpeculationPlanner:
                     self.positions[r.request.sampling.is_greedy].observe(r.last_depth or r.last_drafted,
                                                                          item.commit_accepted)
                 r.generated += len(item.commit_new_tokens)
-            planned.append((item, r, r.request.max_new_tokens - r.generated))
+            if isinstance(r.policy, GoodputGamma) and r.request.spec.tree_width == 1:
+                item.hint_cap = max(0, min(r.request.spec.gamma, r.request.max_new_tokens - r.generated - 1))
+
+    def take_hints(self, items: list[DraftItem], fresh: dict[str, tuple[object | None, int]]) -> None:
+        """What DraftWorker.prepare returned (request id -> (DraftHint or None, pending context)): the
+        drafter has committed the items' outcomes and looked up this step's hints, so the items no longer
+        carry either, and decide plans from hints of this step rather than the previous one."""
+        for item in items:
+            if item.request_id in fresh:
+                r = self.requests[item.request_id]
+                r.hint, r.pending = fresh[item.request_id]
+                item.commit_accepted, item.commit_new_tokens, item.commit_hidden = 0, [], None
+                item.hint_cap = 0
+
+    def decide(self, items: list[DraftItem]) -> None:
+        """Fill in each item's γ (a tree's depth and width) and stopping rule: one goodput plan for the
+        requests on that policy, each other policy on its own."""
+        planned = [(item, self.requests[item.request_id]) for item in items]
+        planned = [(item, r, r.request.max_new_tokens - r.generated) for item, r in planned]
         self._plan_goodput(planned)
         for item, r, remaining in planned:
             room = self._kv_room(r, remaining)
@@ -233,8 +270,6 @@ class SpeculationPlanner:
                 item.gamma = min(r.policy.plan(r.state, remaining), item.gamma, room)
             if type(r.policy).keep_drafting is not GammaPolicy.keep_drafting:
                 item.stop, item.stop_state = r.policy, r.state
-            if isinstance(r.policy, GoodputGamma) and r.request.spec.tree_width == 1:
-                item.hint_cap = max(0, min(r.request.spec.gamma, remaining - 1))
 
     def _kv_room(self, r: _Request, remaining: int) -> int:
         """Draft nodes this step may add: the target writes 1 + nodes positions after the committed

@@ -197,11 +197,16 @@ class SpecStep:
         t0 = time.perf_counter()
         ids = [s.request_id for s in live]
         drafting = [s for s in live if self._speculates(s)]
-        plan = self.planner.plan(drafting)
+        plan = self.planner.begin(drafting)
         proposed: list[Draft] = []
         propose_seconds = 0.0
         if plan.items:
             try:
+                if self.drafter.mode == "direct":
+                    # the drafter is in this process: it commits and hints first, so the plan reads
+                    # this step's hints (through Ray they come with the drafts, one step old)
+                    self.planner.take_hints(plan.items, await self.drafter.prepare(plan.items))
+                self.planner.decide(plan.items)
                 proposed = await self.drafter.propose(plan.items)
             except Exception as exc:
                 self._drafter_failed(exc, [item.request_id for item in plan.items])

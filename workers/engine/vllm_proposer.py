@@ -202,7 +202,7 @@ class SpecdProposer:
         if starts:
             self.worker.start([r for r, _ in starts], [f for _, f in starts])
             self.planner.start([r for r, _ in starts], [f for _, f in starts])
-        self.planner.plan_items(items)
+        self.planner.plan_items(items, prepare=self.worker.prepare)
         drafts = self.worker.propose(items) if items else []
         self.planner.observe_drafts(drafts)
         out: list[list[int]] = [[] for _ in sampled_token_ids]

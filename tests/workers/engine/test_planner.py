@@ -96,6 +96,29 @@ def test_goodput_plans_from_the_hint_the_drafter_returned_with_its_last_draft() 
     assert planner.positions[True].drafted == positions
 
 
+def test_in_process_the_plan_reads_the_hint_of_this_step_after_the_commit() -> None:
+    planner = SpeculationPlanner(SpecConfig(policy="goodput", gamma_max=4), colocated=True)
+    planner.set_cost_profile({1: [0.01 * (1 + 0.05 * n) for n in range(5)]}, {1: 0.004})
+    seqs = _seqs(planner, 1, SpecParams(gamma=4, policy="goodput"))
+    seen = []
+
+    def prepare(items):      # DraftWorker.prepare: commit first, then hint the context after it
+        seen.append((list(items[0].commit_new_tokens), items[0].hint_cap))
+        return {"r0": (DraftHint([0.99] * 4, free=True), 0)}
+
+    item = seqs[0].next_draft_item()
+    planner.plan_items([item], prepare=prepare)
+    # the first step is planned from a hint already (through Ray it would have none), and the drafter
+    # is not asked to commit or hint again in propose
+    assert planner.requests["r0"].hinted and item.gamma == 4
+    assert item.hint_cap == 0 and item.commit_new_tokens == []
+    _step(planner, seqs, [Draft("r0", [7] * 4)], accepted=2)
+    item = seqs[0].next_draft_item()
+    planner.plan_items([item], prepare=prepare)
+    assert seen == [([], 4), ([7, 7, 9], 4)]                       # the outcome reached prepare's commit
+    assert planner.requests["r0"].generated == 1 + 3               # and the planner learned it first
+
+
 def test_a_version_change_restarts_the_per_position_counts_from_its_held_out_figure() -> None:
     planner = SpeculationPlanner(SpecConfig(policy="fixed"), held_out_acceptance=0.3)
     assert planner.positions[True].alpha()[0] == pytest.approx(0.3)
