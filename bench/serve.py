@@ -23,6 +23,7 @@ process (`python -m specd.cluster.serve`), stopped with SIGTERM, so clients and 
     specd bench serve --quick
     specd bench serve --clients 8 --requests 32 --json out/serve.json drafter.kind=ngram
     specd bench serve --address host:50051     # a running server: the specd and target-only phases only
+    specd bench serve --vllm                   # specd on vLLM against vLLM alone (bench/serve_vllm.py)
 """
 
 from __future__ import annotations
@@ -281,6 +282,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.requests, args.max_new_tokens = min(args.requests, 8), min(args.max_new_tokens, 32)
+    if args.vllm:
+        from specd.bench.serve_vllm import run
+
+        return run(args)
     overrides = list(args.overrides)
     cfg = load_config(overrides)
     model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
@@ -359,6 +364,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="at most 8 requests of 32 tokens")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every figure to PATH")
     parser.add_argument("--log-dir", default=None, help="where server logs go (default: a temp dir)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="specd on vLLM against vLLM alone and vLLM's n-gram, three servers "
+                             "(bench/serve_vllm.py); --requests per client count")
+    parser.add_argument("--vllm-clients", default="4,16", help="--vllm: client counts (default 4,16)")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. drafter.kind=ngram")
 
 

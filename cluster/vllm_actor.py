@@ -51,7 +51,8 @@ class VllmTarget:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from specd.workers.engine.vllm_engine import VllmEngine
 
-        self.engine = VllmEngine(cfg, teacher_topk=teacher_topk, versions=versions)
+        speculation = cfg.target.vllm_speculation if cfg.spec.enabled else None
+        self.engine = VllmEngine(cfg, speculation=speculation, teacher_topk=teacher_topk, versions=versions)
         self._lock = threading.Condition()            # the engine and the live set
         self._events: list[TokensOut | FinishOut] = []
         self._events_cv = threading.Condition()

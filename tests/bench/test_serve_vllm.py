@@ -1,0 +1,27 @@
+"""bench/serve_vllm.py's pure parts: what each server runs with, and the ratios it reports."""
+
+from __future__ import annotations
+
+from specd.bench.serve_vllm import SYSTEMS, ratios, server_overrides
+from specd.configs import load_config
+
+
+def test_each_server_is_the_vllm_backend_with_its_own_speculation_and_the_operators_overrides() -> None:
+    for system in SYSTEMS:
+        cfg = load_config(server_overrides(system, ["drafter=ngram"], max_clients=16))
+        assert cfg.target.backend.value == "vllm" and cfg.target.max_slots == 16
+        assert cfg.server.max_running == 16 and cfg.drafter.kind == "ngram"
+        assert not cfg.replay.enabled and not cfg.trainer.enabled
+    assert not load_config(server_overrides("vllm", [], 4)).spec.enabled
+    ngram = load_config(server_overrides("vllm-ngram", [], 4))
+    assert ngram.spec.enabled and ngram.target.vllm_speculation == "vllm-ngram"
+    specd = load_config(server_overrides("specd-vllm", [], 4))
+    assert specd.spec.enabled and specd.target.vllm_speculation == "specd"
+
+
+def test_ratios_divide_by_vllm_alone_at_the_same_client_count() -> None:
+    results = {"vllm c4": {"tokens_per_s": 10.0}, "specd-vllm c4": {"tokens_per_s": 12.0},
+               "vllm-ngram c4": {"tokens_per_s": 9.0}, "vllm c16": {"tokens_per_s": 20.0},
+               "specd-vllm c16": {"tokens_per_s": 25.0}}
+    assert ratios(results, [4, 16]) == {"vllm-ngram_vs_vllm_c4": 0.9, "specd-vllm_vs_vllm_c4": 1.2,
+                                        "specd-vllm_vs_vllm_c16": 1.25}
