@@ -42,6 +42,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -149,10 +150,11 @@ class SpecdProposer:
         self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
         # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.
         self.spec = replace(SpecParams.from_config(spec_cfg, enabled=True), gamma=self.gamma, tree_width=1)
-        # the γ plan, as the in-process engine's and the router's (its cost model stays the prior's: vLLM's
-        # step times are not seen here)
+        # the γ plan, as the in-process engine's and the router's; its cost model starts from the prior and
+        # follows vLLM's measured steps (_observe_step)
         self.planner = SpeculationPlanner(spec_cfg, max_seq_len=self.worker.max_seq_len,
                                           held_out_acceptance=self.worker.drafter.held_out_acceptance)
+        self._last_step: tuple[list[int], float] | None = None   # rows' tokens to verify, when proposed
         self.tracked: dict[bytes, list[_Tracked]] = {}
         self._next_id = 0
         self._swap_mtime = self._swap_stat()
@@ -172,6 +174,7 @@ class SpecdProposer:
         """Draft ids per batch row; row i's history is token_ids_cpu[i, :num_tokens_no_spec[i]] (its newest
         tokens, sampled_token_ids[i], included). Rows without sampled tokens are mid-prefill: no drafts."""
         self.calls += 1
+        now = time.perf_counter()
         self._maybe_swap()
         rows: list[tuple[int, _Tracked, np.ndarray]] = []
         items: list[DraftItem] = []
@@ -202,9 +205,14 @@ class SpecdProposer:
         if starts:
             self.worker.start([r for r, _ in starts], [f for _, f in starts])
             self.planner.start([r for r, _ in starts], [f for _, f in starts])
+        whole = not starts and len(rows) == len(sampled_token_ids)
+        self._observe_step(now, len(rows), whole)
         self.planner.plan_items(items, prepare=self.worker.prepare)
         drafts = self.worker.propose(items) if items else []
-        self.planner.observe_drafts(drafts)
+        depths = [d for d in self.planner.observe_drafts(drafts) if d > 0]
+        if depths:
+            self.planner.costs.observe_draft(len(depths), max(depths), drafts[0].draft_seconds)
+        self._last_step = ([1 + len(d.tokens) for d in drafts], time.perf_counter()) if whole else None
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         for (i, seq, history), draft in zip(rows, drafts, strict=True):
             seq.drafted = list(draft.tokens)
@@ -212,6 +220,16 @@ class SpecdProposer:
             self.tracked.setdefault(seq.key, []).append(seq)
             out[i] = list(draft.tokens)
         return out
+
+    def _observe_step(self, now: float, rows: int, whole: bool) -> None:
+        """Price vLLM's step between the previous call and this one (its verify of the drafts returned then,
+        sampling and scheduling) in the planner's cost model, so that γ follows what verifying drafts
+        costs this engine at this batch size. Only steps of the same rows and no prefill are priced: a
+        prefill in the step, or a row that came or went, is not a verify of what was proposed."""
+        last, self._last_step = self._last_step, None
+        if last is None or not whole or rows != len(last[0]):
+            return
+        self.planner.costs.observe_verify(last[0], now - last[1])
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _take(self, key: bytes) -> _Tracked | None:
