@@ -9,12 +9,15 @@ server as `specd bench serve`'s target-only phase does: three servers run one af
     specd-vllm    specd's drafter as vLLM's custom_class proposer (the configured drafter and γ policy)
 
 On each server, every `--vllm-clients` count streams its own slice of the held-out prompts (greedy, EOS
-ignored): the slices differ between client counts, so a drafter that learns from traffic (the suffix
-index) never sees a prompt twice, and they are the same for the three servers. Reports tokens/s, TPOT
+ignored): the slices differ between client counts and rounds, so a drafter that learns from traffic (the
+suffix index) never sees a prompt twice, and they are the same for the three servers. With `--rounds N`
+each round starts the three servers afresh, in reverse order on odd rounds, and the JSON adds each
+round's ratio and their median (servers started one after another differ by more than requests on one
+server do). Reports tokens/s, TPOT
 p50/p99 and each speculative server's ratio to vLLM alone at the same client count, with vLLM's version
 in the JSON, and a plot of tokens/s per client count.
 
-    specd bench serve --vllm --json bench/results/serve-vllm.json
+    specd bench serve --vllm --rounds 2 --json bench/results/serve-vllm.json
     specd bench serve --vllm --vllm-clients 4 --requests 8 --max-new-tokens 32     # a quick look
 """
 
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +58,21 @@ def ratios(results: dict[str, dict], clients: list[int]) -> dict[str, float]:
             row = results.get(f"{system} c{n}")
             if base and row and base["tokens_per_s"] > 0:
                 out[f"{system}_vs_vllm_c{n}"] = row["tokens_per_s"] / base["tokens_per_s"]
+    return out
+
+
+def round_ratios(results: dict[str, dict], clients: list[int]) -> dict[str, object]:
+    """Each round's tokens/s ratio to vLLM alone (the servers of a round ran back to back) and the median."""
+    out: dict[str, object] = {}
+    for n in clients:
+        base = results.get(f"vllm c{n}", {}).get("rounds")
+        for system in ("vllm-ngram", "specd-vllm"):
+            mine = results.get(f"{system} c{n}", {}).get("rounds")
+            if base and mine:
+                per = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, base, strict=True)
+                       if b["tokens_per_s"] > 0]
+                out[f"{system}_vs_vllm_c{n}_rounds"] = per
+                out[f"{system}_vs_vllm_c{n}_median"] = statistics.median(per)
     return out
 
 
@@ -95,45 +114,62 @@ def run(args: argparse.Namespace) -> int:
     import vllm
 
     from specd.bench.datasets import mixed_prompts, request_lengths
-    from specd.bench.serve import ServerProcess, run_phase
+    from specd.bench.serve import ServerProcess, merge_rounds, run_phase
     from specd.configs import load_config
     from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
     clients = [int(c) for c in str(args.vllm_clients).split(",") if c]
+    rounds = max(1, args.rounds)
     overrides = list(args.overrides)
     cfg = load_config([*BASE, *overrides])
     model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
     tokenizer = load_tokenizer(model_dir)
-    messages, _ = mixed_prompts(args.workloads.split(","), args.requests * len(clients), tokenizer)
+    messages, _ = mixed_prompts(args.workloads.split(","), args.requests * len(clients) * rounds, tokenizer)
     lengths = request_lengths(len(messages), args.max_new_tokens, args.lengths)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-serve-vllm-"))
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    runs: dict[str, list[dict]] = {}
+    for r in range(rounds):
+        # a fresh server per system and round; odd rounds reverse the order, so a machine that speeds up or
+        # slows down over the run favours no server
+        for system in (list(SYSTEMS) if r % 2 == 0 else list(SYSTEMS)[::-1]):
+            log = logs / f"{system}-{r + 1}.log"
+            server = ServerProcess(server_overrides(system, overrides, max(clients)), log)
+            try:
+                for k, n in enumerate(clients):
+                    first = (r * len(clients) + k) * args.requests
+                    part = slice(first, first + args.requests)
+                    # a server with spec.enabled=false refuses requests that ask for speculation
+                    speculation = system != "vllm"
+                    label = f"{system}, {n} clients" + (f", round {r + 1}/{rounds}" if rounds > 1 else "")
+                    runs.setdefault(f"{system} c{n}", []).append(asyncio.run(
+                        run_phase(server.address, messages[part], n, lengths[part], speculation, label)))
+            finally:
+                server.stop()
     results: dict[str, dict] = {}
-    for system in SYSTEMS:
-        server = ServerProcess(server_overrides(system, overrides, max(clients)), logs / f"{system}.log")
-        try:
-            for k, n in enumerate(clients):
-                part = slice(k * args.requests, (k + 1) * args.requests)
-                # a server with spec.enabled=false refuses requests that ask for speculation
-                speculation = system != "vllm"
-                row = asyncio.run(run_phase(server.address, messages[part], n, lengths[part], speculation,
-                                            f"{system}, {n} clients"))
-                row.pop("_timings", None)
-                results[f"{system} c{n}"] = {**row, "system": system, "clients": n}
-        finally:
-            server.stop()
+    for name, per_round in runs.items():
+        row = merge_rounds(per_round) if rounds > 1 else per_round[0]
+        row.pop("_timings", None)
+        system, n = name.rsplit(" c", 1)
+        results[name] = {**row, "system": system, "clients": int(n)}
     figures = ratios(results, clients)
     print(render(results, figures))
+    spread = round_ratios(results, clients)
+    for key, value in spread.items():
+        shown = f"{value:.3f}x" if isinstance(value, float) else ", ".join(f"{v:.3f}" for v in value)
+        print(f"{key}: {shown}")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"bench": "serve-vllm", "vllm_version": vllm.__version__, "clients": clients,
                 "requests_per_phase": args.requests, "max_new_tokens": args.max_new_tokens,
-                "lengths": args.lengths, "workloads": args.workloads, "overrides": overrides,
+                "rounds": rounds, "lengths": args.lengths, "workloads": args.workloads,
+                "overrides": overrides,
                 "base_overrides": BASE, "host_cpus": os.cpu_count(), "load_average_end": os.getloadavg(),
                 "duration_s": time.time() - started, "logs": str(logs), "device": cfg.target.device.value}
-        path.write_text(json.dumps({"meta": meta, "phases": results, "figures": figures}, indent=2))
+        path.write_text(json.dumps({"meta": meta, "phases": results, "figures": figures, "rounds": spread},
+                                   indent=2))
         print(f"wrote {path}")
         print(f"wrote {write_plot(path.with_suffix('.png'), results, clients)}")
     return 0

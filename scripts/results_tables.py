@@ -13,7 +13,7 @@ Kinds (extra `key=value` words filter rows): engine-grid (the paired ratio of ev
 specd system per workload x temperature row and batch column), engine-systems (one row per system
 and cell: tok/s, α, tokens per step, ratios), serve (`specd bench serve` phases), osd (`specd bench
 osd` held-out acceptance), osd-arms (`specd bench osd --arms`), soak (`specd bench soak`), overhead
-(`specd bench overhead`: host ms per step and its phases).
+(`specd bench overhead`: host ms per step and its phases), serve-vllm (`specd bench serve --vllm`).
 tests/test_docs.py runs --check's logic.
 """
 
@@ -228,8 +228,26 @@ def overhead(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def serve_vllm(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """`specd bench serve --vllm`: one row per server and client count, ratios to vLLM alone."""
+    lines = ["| server | clients | tok/s | TPOT p50 ms | TPOT p99 ms | α | tokens/step | vs vLLM alone |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in files:
+        data = _load(root, name)
+        for row in data["phases"].values():
+            if not _keep(row, where):
+                continue
+            ratio = data["figures"].get(f"{row['system']}_vs_vllm_c{row['clients']}")
+            lines.append(f"| {row['system']} | {row['clients']} | {row['tokens_per_s']:.1f} | "
+                         f"{1000 * row['tpot_s']['p50']:.1f} | {1000 * row['tpot_s']['p99']:.1f} | "
+                         f"{row['acceptance_rate']:.2f} | {row['tokens_per_step']:.2f} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    return "\n".join(lines)
+
+
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
-         "osd-arms": osd_arms, "soak": soak, "overhead": overhead}
+         "osd-arms": osd_arms, "soak": soak, "overhead": overhead,
+         "serve-vllm": serve_vllm}
 
 
 def sources(spec: str) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specd.bench.serve_vllm import SYSTEMS, ratios, server_overrides
+from specd.bench.serve_vllm import SYSTEMS, ratios, round_ratios, server_overrides
 from specd.configs import load_config
 
 
@@ -25,3 +25,14 @@ def test_ratios_divide_by_vllm_alone_at_the_same_client_count() -> None:
                "specd-vllm c16": {"tokens_per_s": 25.0}}
     assert ratios(results, [4, 16]) == {"vllm-ngram_vs_vllm_c4": 0.9, "specd-vllm_vs_vllm_c4": 1.2,
                                         "specd-vllm_vs_vllm_c16": 1.25}
+
+
+def test_round_ratios_pair_the_servers_of_each_round() -> None:
+    def rounds(*tps):
+        return {"rounds": [{"tokens_per_s": t} for t in tps]}
+
+    results = {"vllm c4": rounds(10.0, 20.0), "specd-vllm c4": rounds(12.0, 18.0),
+               "vllm-ngram c4": rounds(10.0, 30.0)}
+    out = round_ratios(results, [4])
+    assert out["specd-vllm_vs_vllm_c4_rounds"] == [1.2, 0.9] and out["specd-vllm_vs_vllm_c4_median"] == 1.05
+    assert out["vllm-ngram_vs_vllm_c4_median"] == 1.25
