@@ -238,10 +238,12 @@ def serve_vllm(root: Path, files: list[str], where: dict[str, str]) -> str:
             if not _keep(row, where):
                 continue
             ratio = data["figures"].get(f"{row['system']}_vs_vllm_c{row['clients']}")
+            drafted = row["system"] != "vllm"
+            alpha = f"{row['acceptance_rate']:.2f}" if drafted else "-"
+            per_step = f"{row['tokens_per_step']:.2f}" if drafted else "-"
             lines.append(f"| {row['system']} | {row['clients']} | {row['tokens_per_s']:.1f} | "
                          f"{1000 * row['tpot_s']['p50']:.1f} | {1000 * row['tpot_s']['p99']:.1f} | "
-                         f"{row['acceptance_rate']:.2f} | {row['tokens_per_step']:.2f} | "
-                         f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+                         f"{alpha} | {per_step} | {'-' if ratio is None else f'{ratio:.2f}x'} |")
     return "\n".join(lines)
 
 
