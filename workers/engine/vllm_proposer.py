@@ -49,7 +49,6 @@ from pathlib import Path
 import numpy as np
 
 from specd.configs.schema import DrafterConfig, SpecConfig
-from specd.workers.core.guard import SpeculationGuard
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.draft_worker import DraftWorker
 from specd.workers.engine.planner import SpeculationPlanner
@@ -155,12 +154,7 @@ class SpecdProposer:
         # follows vLLM's measured steps (_observe_step)
         self.planner = SpeculationPlanner(spec_cfg, max_seq_len=self.worker.max_seq_len,
                                           held_out_acceptance=self.worker.drafter.held_out_acceptance)
-        # the previous call: each row's tokens to verify, when it began and ended, whether drafting was on
-        self._last_step: tuple[list[int], float, float, bool] | None = None
-        # vLLM alone against vLLM with drafts, measured in windows of steps: drafting stops while it loses
-        # (workers/core/guard.py), as on the torch backend's router
-        windows = spec_cfg.guard_window_steps
-        self.guard = SpeculationGuard(windows) if windows > 0 else None
+        self._last_step: tuple[list[int], float] | None = None   # rows' tokens to verify, when proposed
         self.tracked: dict[bytes, list[_Tracked]] = {}
         self._next_id = 0
         self._swap_mtime = self._swap_stat()
@@ -212,17 +206,13 @@ class SpecdProposer:
             self.worker.start([r for r, _ in starts], [f for _, f in starts])
             self.planner.start([r for r, _ in starts], [f for _, f in starts])
         whole = not starts and len(rows) == len(sampled_token_ids)
-        self._observe_step(now, len(rows), whole, sum(len(t) for t in sampled_token_ids))
+        self._observe_step(now, len(rows), whole)
         self.planner.plan_items(items, prepare=self.worker.prepare)
-        allowed = self.guard is None or self.guard.allowed
-        if not allowed:
-            for item in items:          # committed above; nobody drafts this step
-                item.gamma, item.stop, item.stop_state, item.hint_cap, item.fallback = 0, None, None, 0, False
         drafts = self.worker.propose(items) if items else []
         depths = [d for d in self.planner.observe_drafts(drafts) if d > 0]
         if depths:
             self.planner.costs.observe_draft(len(depths), max(depths), drafts[0].draft_seconds)
-        self._last_step = ([1 + len(d.tokens) for d in drafts], now, time.perf_counter(), allowed)
+        self._last_step = ([1 + len(d.tokens) for d in drafts], time.perf_counter()) if whole else None
         out: list[list[int]] = [[] for _ in sampled_token_ids]
         for (i, seq, history), draft in zip(rows, drafts, strict=True):
             seq.drafted = list(draft.tokens)
@@ -231,24 +221,15 @@ class SpecdProposer:
             out[i] = list(draft.tokens)
         return out
 
-    def _observe_step(self, now: float, rows: int, whole: bool, emitted: int) -> None:
-        """What vLLM's step since the previous call measured. The cost model prices it as a verify of the
-        drafts returned then (from the end of that call: vLLM's verify, sampling and scheduling), so γ
-        follows what verifying drafts costs this engine at this batch size. The guard counts its tokens
-        over the whole step, the drafting of that call included. Only steps of the same rows and no
-        prefill are priced and counted: a prefill in the step, or a row that came or went, is neither a
-        verify of what was proposed nor decoding (the guard leaves that time out)."""
+    def _observe_step(self, now: float, rows: int, whole: bool) -> None:
+        """Price vLLM's step between the previous call and this one (its verify of the drafts returned then,
+        sampling and scheduling) in the planner's cost model, so that γ follows what verifying drafts
+        costs this engine at this batch size. Only steps of the same rows and no prefill are priced: a
+        prefill in the step, or a row that came or went, is not a verify of what was proposed."""
         last, self._last_step = self._last_step, None
-        if last is None:
+        if last is None or not whole or rows != len(last[0]):
             return
-        tokens, began, ended, allowed = last
-        if not whole or rows != len(tokens):
-            if self.guard is not None:
-                self.guard.prefill(began, now)
-            return
-        self.planner.costs.observe_verify(tokens, now - ended)
-        if self.guard is not None:
-            self.guard.step(began, now, emitted, rows, allowed)
+        self.planner.costs.observe_verify(last[0], now - last[1])
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _take(self, key: bytes) -> _Tracked | None:

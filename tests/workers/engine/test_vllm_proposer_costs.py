@@ -30,50 +30,13 @@ def test_a_step_between_two_calls_is_priced_and_a_prefill_step_is_not(tmp_path, 
     first = proposer.propose([[2]], np.array([6]), history)        # a new row: its prefill was this step
     assert priced == [] and len(first[0]) == 3
     history[0, 6:8] = [first[0][0], 4]
-    second = proposer.propose([[first[0][0], 4]], np.array([8]), history)
-    # the row's prefill ran before the first call: the step between the two verified its 3 drafts
-    assert [rows for rows, _ in priced] == [[4]] and priced[0][1] > 0
-    history[0, 8:8 + len(second[0]) + 1] = [*second[0], 6]
-    n = 9 + len(second[0])
-    proposer.propose([[*second[0], 6]], np.array([n]), history)
-    assert len(priced) == 2
-    # a call with a mid-prefill row (no sampled tokens) ends a step that was not one verify of the same rows
-    history2 = np.vstack([history, history])
-    proposer.propose([[7], []], np.array([n + 1, 4]), history2)
-    assert len(priced) == 2
-    assert proposer.guard is not None and proposer.guard.stats()  # the guard counted the decode steps
-
-
-class _Off:
-    """A guard whose windows say plain decoding wins (workers/core/guard.py is tested on its own)."""
-
-    allowed = False
-
-    def step(self, *args) -> None:
-        pass
-
-    def prefill(self, *args) -> None:
-        pass
-
-
-def test_while_the_guard_has_drafting_off_rows_get_no_drafts_and_the_drafter_still_follows(
-        tmp_path, tiny_llama_dir) -> None:
-    token_dir = make_tiny_drafter(tiny_llama_dir, tmp_path / "token")
-    cfg = load_config([f"target.model_path={tiny_llama_dir}", f"drafter.path={token_dir}",
-                       "drafter.kind=model", "drafter.dtype=float32", "drafter.pack=none",
-                       "spec.policy=fixed", "spec.gamma=3", "spec.gamma_min=3", "target.max_seq_len=128"])
-    settings = proposer_settings(cfg, tiny_llama_dir, max_running=2, swap_file=None)
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=128),
-                                  speculative_config=SimpleNamespace(num_speculative_tokens=3))
-    proposer = SpecdProposer(vllm_config, settings)
-    history = np.zeros((1, 128), dtype=np.int32)
-    history[0, :6] = [5, 9, 11, 3, 7, 2]
-    first = proposer.propose([[2]], np.array([6]), history)
-    proposer.guard = _Off()
-    history[0, 6:8] = [first[0][0], 4]
-    assert proposer.propose([[first[0][0], 4]], np.array([8]), history) == [[]]
-    (rid,) = proposer.worker.requests
-    proposer.guard = None                       # drafting on again: the same request goes on drafting
+    proposer.propose([[first[0][0], 4]], np.array([8]), history)
+    # the first call's row started (its prefill): the step after it is the first one priced next call
+    assert priced == []
     history[0, 8] = 6
-    assert len(proposer.propose([[6]], np.array([9]), history)[0]) == 3
-    assert list(proposer.worker.requests) == [rid]
+    proposer.propose([[6]], np.array([9]), history)
+    assert [rows for rows, _ in priced] == [[4]] and priced[0][1] > 0     # 1 + 3 drafts of that row
+    # a call with a mid-prefill row (no sampled tokens) is not one whole step of the same rows
+    history2 = np.vstack([history, history])
+    proposer.propose([[7], []], np.array([10, 4]), history2)
+    assert len(priced) == 1
