@@ -122,8 +122,9 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
     timer = PhaseTimer()
     timer.wrap(target, "verify", "verify")
     if drafter is not None:
-        timer.wrap(drafter, "propose", "propose")
-        for name in ("plan", "observe"):            # the SpeculationPlanner's share of the step
+        for name in ("prepare", "propose"):         # the drafter's calls: commit and hint, then draft
+            timer.wrap(drafter, name, "propose")
+        for name in ("begin", "take_hints", "decide", "observe"):   # the SpeculationPlanner's share
             timer.wrap(engine.step.planner, name, "plan")
     streamed = [0]
     max_new = MAX_SEQ_LEN - PROMPT_LEN - TREE_MARGIN
@@ -168,7 +169,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
         run_sync(engine.step.release(list(run.running)))
         del target.verify
         if drafter is not None:
-            del drafter.propose
+            del drafter.prepare, drafter.propose
     if profiler is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
         profiler.dump_stats(str(profile_dir / f"{forwards}-{system}-b{batch}.pstats"))

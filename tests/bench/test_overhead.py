@@ -38,11 +38,12 @@ def test_in_process_cells_report_every_system(tmp_path):
     assert {(r["system"], r["batch"]) for r in rows} == {(s, b) for s in overhead.SYSTEMS for b in (1, 2)}
     for row in rows:
         assert row["where"] == "in-process" and row["host_ms_per_step"] > 0 and row["steps"] == 3
-        assert set(row["phases_ms"]) == {"propose", "verify", "rest"}
+        assert set(row["phases_ms"]) == {"plan", "propose", "verify", "rest"}
     by = {(r["system"], r["batch"]): r for r in rows}
     # the stand-ins accept every greedy draft: a γ = 3 chain emits 4 tokens per request and step
     assert by[("chain", 2)]["tokens_per_step"] == 8
     assert by[("target-only", 1)]["phases_ms"]["propose"] == 0
+    assert by[("chain", 1)]["phases_ms"]["plan"] > 0 and by[("target-only", 1)]["phases_ms"]["plan"] == 0
     assert len(data["meta"]["load_average_start"]) == 3
     assert (tmp_path / "overhead.png").stat().st_size > 0
 
