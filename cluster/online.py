@@ -70,8 +70,10 @@ def open_online_redis(cfg):
 
 def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistry | None,
                  opened=None) -> OnlineParts:
-    """Start what config asks for; `drafters`: the replicas' DraftWorkers (Ray actor handles); opened:
-    open_online_redis's result when the caller opened Redis already."""
+    """Start what config asks for; `drafters`: the replicas' DraftWorkers (Ray actor handles, wrapped here
+    in DrafterHandles) or objects with DrafterHandle's async watch_versions, pin_version and swap_stats
+    (a vLLM replica's, cluster/vllm_serve.py); opened: open_online_redis's result when the caller opened
+    Redis already."""
     from specd.cluster.redact import redact_text
     from specd.cluster.replay import ReplayRecorder
     from specd.cluster.replay_writer import ReplayWriter
@@ -101,9 +103,12 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
         return parts
     parts.trainer = start_trainer_actor(cfg, endpoint)
     parts.store = versions_spec(cfg, endpoint)
+    from ray.actor import ActorHandle
+
     from specd.workers.engine.handles import DrafterHandle
 
-    parts.drafters = [DrafterHandle(d, f"drafter-{i}") for i, d in enumerate(drafters)]
+    parts.drafters = [DrafterHandle(d, f"drafter-{i}") if isinstance(d, ActorHandle) else d
+                      for i, d in enumerate(drafters)]
     return parts
 
 

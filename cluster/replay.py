@@ -19,7 +19,9 @@ from specd.workers.engine.types import Draft, FinishReason, VerifyResult
 
 @dataclass
 class _Steps:
-    steps: list[tuple[list[int], list[int] | None, int, bool, str, list[int]]] = field(default_factory=list)
+    # (drafted ids, tree parents, accepted, bonus, version, emitted, drafts whose ids were not reported)
+    steps: list[tuple[list[int], list[int] | None, int, bool, str, list[int], int]] = field(
+        default_factory=list)
 
 
 class ReplayRecorder(SchedulerObserver):
@@ -38,9 +40,14 @@ class ReplayRecorder(SchedulerObserver):
         if rid.startswith(self.skip_prefixes) or rid in self._done:
             return
         parents = draft.parents[1:] if draft.parents else None
+        # A chain's VerifyResult counts its drafts; where the backend reported fewer ids than that (vLLM:
+        # the accepted prefix only), the record says how many it did not see.
+        # (A last step cut short may not even show all its accepted ids: the record keeps those it has.)
+        unseen = 0 if parents else max(0, result.num_drafted - len(draft.tokens))
+        accepted = result.num_accepted if parents else min(result.num_accepted, len(draft.tokens))
         self._running.setdefault(rid, _Steps()).steps.append(
-            (list(draft.tokens), parents, result.num_accepted, result.is_bonus, draft.drafter_version,
-             list(result.new_tokens))
+            (list(draft.tokens), parents, accepted, result.is_bonus, draft.drafter_version,
+             list(result.new_tokens), unseen)
         )
 
     def on_request_done(self, seq, reason: str) -> None:
@@ -69,12 +76,12 @@ def build_record(seq, steps, target_checksum: str = ""):
     first = min(1, len(output)) if steps else len(output)
     b.first_tokens(output[:first])
     pos = first
-    for drafted, parents, accepted, bonus, version, new_tokens in steps:
+    for drafted, parents, accepted, bonus, version, new_tokens, unseen in steps:
         if pos >= len(output):
             break                      # a step applied after the request was cut or cancelled
         emitted = output[pos : pos + len(new_tokens)]
         b.step(drafted, accepted=accepted, bonus=bonus, emitted=emitted, drafter_version=version,
-               parents=parents)
+               parents=parents, unseen_drafted=unseen)
         pos += len(emitted)
     return b.finish()
 

@@ -161,14 +161,17 @@ async def _bring_up(
 
     vllm = cfg.target.backend == "vllm"
     if vllm:
-        from specd.cluster.vllm_serve import vllm_scheduler
+        from specd.cluster.vllm_serve import ReplicaDrafter, vllm_scheduler
 
-        res.scheduler = vllm_scheduler(cfg, res, capacity, info, metrics)
+        drafters = [ReplicaDrafter(a) for a in res.vllm_actors]
     else:
-        res.online = await asyncio.to_thread(start_online, cfg, str(model_dir),
-                                             [r.drafter for r in res.cluster.replicas], metrics.registry,
-                                             res.online_redis)
-        observer = ObserverFanout([metrics, res.online.recorder]) if res.online.recorder else metrics
+        drafters = [r.drafter for r in res.cluster.replicas]
+    res.online = await asyncio.to_thread(start_online, cfg, str(model_dir), drafters, metrics.registry,
+                                         res.online_redis)
+    observer = ObserverFanout([metrics, res.online.recorder]) if res.online.recorder else metrics
+    if vllm:
+        res.scheduler = vllm_scheduler(cfg, res, capacity, info, observer)
+    else:
         res.scheduler = Scheduler(
             [(r.target, r.drafter) for r in res.cluster.replicas],
             capacity=capacity,

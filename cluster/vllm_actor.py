@@ -5,7 +5,8 @@ Why a step thread over VllmEngine rather than the router driving steps. vLLM sch
 batching, its paged KV cache, its rejection sampler): the router can only add requests, abort them and
 read what each engine step emitted. The actor therefore steps the engine on its own thread whenever a
 request is live, and the router long-polls `poll()` for the events (emitted tokens; a request's end with its
-RequestStats and one VerifyResult per step, which VllmEngine aligns from vLLM's per-request counters).
+RequestStats and each step's Draft and VerifyResult, which VllmEngine aligns from vLLM's per-request
+counters and the proposer's filed drafts).
 Everything that touches the engine holds one lock, so submit() and abort() land between two steps.
 
 The engine core runs in this actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's spawned engine
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from specd.workers.core.stats import RequestStats
-from specd.workers.engine.types import FinishReason, NewRequest, VerifyResult
+from specd.workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class FinishOut:
     request_id: str
     reason: str                          # a FinishReason value
     stats: RequestStats
-    records: list[VerifyResult] = field(default_factory=list)   # one per step after the prefill
+    steps: list[tuple[Draft, VerifyResult]] = field(default_factory=list)   # each step after the prefill
     drafter_version: str | None = None
     error: str = ""
 
@@ -56,7 +57,7 @@ class VllmTarget:
         self._lock = threading.Condition()            # the engine and the live set
         self._events: list[TokensOut | FinishOut] = []
         self._events_cv = threading.Condition()
-        self._records: dict[str, list[VerifyResult]] = {}
+        self._records: dict[str, list[tuple[Draft, VerifyResult]]] = {}
         self._closed = False
         self.steps = 0
         self.busy_s = 0.0
@@ -98,6 +99,7 @@ class VllmTarget:
                 "steps": self.steps,
                 "busy_s": self.busy_s,
                 "drafter_version": self.engine.version(),
+                "swaps": self.engine.swap_stats(),
                 "speculation": self.engine.mode,
                 "failed": self.failed,
             }
@@ -148,8 +150,8 @@ class VllmTarget:
         def on_step(seq, emitted):
             events.append(TokensOut(seq.request_id, list(emitted)))
 
-        def on_record(seq, result):
-            self._records.setdefault(seq.request_id, []).append(result)
+        def on_record(seq, draft, result):
+            self._records.setdefault(seq.request_id, []).append((draft, result))
 
         return self.engine.step(on_step, on_record)
 

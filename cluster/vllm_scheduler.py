@@ -29,7 +29,7 @@ from specd.cluster.requests import (
     TokensEvent,
 )
 from specd.cluster.vllm_actor import FinishOut, TokensOut
-from specd.workers.engine.types import Draft, FinishReason, NewRequest
+from specd.workers.engine.types import FinishReason, NewRequest
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
@@ -200,12 +200,9 @@ class VllmScheduler(Admission):
     def _end(self, rep: _VllmReplica, req: ServedRequest | None, event: FinishOut) -> None:
         if event.drafter_version:
             rep.drafter_version = event.drafter_version
-        version = event.drafter_version or ""
-        for result in event.records:
-            # vLLM reports how many drafts a step carried, not the rejected ones: the accepted prefix is
-            # what is known of the draft (metrics read counts and the version only).
-            draft = Draft(result.request_id, list(result.new_tokens[: result.num_accepted]),
-                          drafter_version=version if result.num_drafted else "")
+        for draft, result in event.steps:
+            # where the proposer filed no ids, draft.tokens is the accepted prefix: the replay recorder
+            # counts the rest as unseen (result.num_drafted says how many)
             self.observer.on_step(rep.index, draft, result, result.num_drafted)
         if req is None:
             return

@@ -38,9 +38,6 @@ async def bring_up_vllm(cfg, res, install_signals):
         raise RuntimeError(f"target.backend=vllm: {missing}")
     for limit in vllm_limits(cfg):
         log.warning("target.backend=vllm does not apply %s", limit)
-    if cfg.replay.enabled:
-        log.warning("target.backend=vllm: replay records and the online trainer are not wired yet; the "
-                    "proposer follows the versions published to Redis")
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
@@ -63,6 +60,24 @@ async def bring_up_vllm(cfg, res, install_signals):
                  info["speculation"], info["drafter_version"])
     capacity = [int(i["max_slots"]) for i in infos]
     return model_dir, codec, infos, capacity
+
+
+class ReplicaDrafter:
+    """What online adaptation asks of a replica's drafter (cluster/online.py), for a vLLM replica: the
+    proposer inside its engine follows the version store it was given at start (the one the trainer
+    publishes to, bring_up_vllm), so watching is already done; its swaps come with the actor's stats."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def watch_versions(self, store, model_dir: str, poll_s: float) -> str:
+        return (await self.actor.stats.remote())["drafter_version"]
+
+    async def pin_version(self, version: str | None) -> str:
+        raise RuntimeError("drafter.version_pin is not applied on target.backend=vllm")
+
+    async def swap_stats(self) -> dict:
+        return (await self.actor.stats.remote())["swaps"]
 
 
 def vllm_scheduler(cfg, res, capacity: list[int], info: dict, observer) -> VllmScheduler:

@@ -53,8 +53,10 @@ def record_steps(record: ReplayRecord) -> list[tuple[int, int, int, str]]:
     names = list(record.drafter_versions)
     out = []
     for s in record.steps:
-        drafted = int(s.accepted) + (0 if s.bonus else 1) if s.parents else len(s.drafted)
-        drafted = min(drafted, len(s.drafted))
+        if s.parents:
+            drafted = min(int(s.accepted) + (0 if s.bonus else 1), len(s.drafted))
+        else:
+            drafted = len(s.drafted) + int(s.unseen_drafted)
         version = names[s.drafter_version] if names else ""
         out.append((int(s.output_offset), drafted, int(s.accepted), version))
     return out

@@ -109,15 +109,18 @@ class RecordBuilder:
         self._emitted += len(tokens)
 
     def step(self, drafted: Sequence[int], accepted: int, bonus: bool, emitted: Sequence[int],
-             drafter_version: str = "", parents: Sequence[int] | None = None) -> None:
+             drafter_version: str = "", parents: Sequence[int] | None = None,
+             unseen_drafted: int = 0) -> None:
         """One verified step: its drafts, how many were accepted, and the tokens it emitted (already cut
-        at EOS / length, so `emitted` may be shorter than accepted + 1 on the last step)."""
+        at EOS / length, so `emitted` may be shorter than accepted + 1 on the last step). unseen_drafted:
+        drafts after `drafted` whose ids were not reported (the vLLM backend's rejected ones)."""
         if drafter_version not in self._versions:
             self._versions[drafter_version] = len(self.record.drafter_versions)
             self.record.drafter_versions.append(drafter_version)
         self.record.steps.append(ReplayStep(
             output_offset=self._emitted, drafted=list(drafted), parents=list(parents or ()),
             accepted=accepted, bonus=bonus, drafter_version=self._versions[drafter_version],
+            unseen_drafted=unseen_drafted,
         ))
         self.record.output_token_ids.extend(emitted)
         self._emitted += len(emitted)
@@ -161,13 +164,15 @@ def decode_record(data: bytes, vocab_size: int | None = None) -> ReplayRecord:
     for step in record.steps:
         if step.output_offset > n_out or step.drafter_version >= max(1, len(record.drafter_versions)):
             raise ReplayFormatError(f"record {name}: step points outside the record")
-        if len(step.drafted) > MAX_DRAFTED:
+        if len(step.drafted) + step.unseen_drafted > MAX_DRAFTED:
             raise ReplayFormatError(f"record {name}: a step drafted more than {MAX_DRAFTED} tokens")
         if step.accepted > len(step.drafted):
             raise ReplayFormatError(f"record {name}: accepted > drafted")
         if step.parents and (len(step.parents) != len(step.drafted)
                              or any(p < 0 or p > len(step.drafted) for p in step.parents)):
             raise ReplayFormatError(f"record {name}: tree parents outside the step's drafts")
+        if step.parents and step.unseen_drafted:
+            raise ReplayFormatError(f"record {name}: a tree step with unseen drafts")
         _check_ids(name, "drafted", step.drafted, vocab_size)
     if record.HasField("teacher"):
         _check_teacher(name, record.teacher, n_out, vocab_size)

@@ -147,3 +147,30 @@ def _wait(cond, timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+def test_a_step_that_reported_counts_only_records_its_unseen_drafts():
+    """The vLLM backend knows a step's accepted ids and how many it drafted: the record keeps the ids it
+    has, counts the rest as unseen, and the trainer reads the step's whole draft length."""
+    from types import SimpleNamespace
+
+    from specd.drafter_trainer.online_data import record_steps
+    from specd.proto.replay_codec import encode_record
+    from specd.workers.engine.types import Draft, VerifyResult
+
+    writer = ListWriter()
+    recorder = ReplayRecorder(writer)
+    request = NewRequest("r", [5, 6, 7], SamplingParams(), 8, SpecParams())
+    recorder.on_step(0, Draft("r", [11, 12], drafter_version="v2"),
+                     VerifyResult("r", 4, 2, [11, 12, 13], False), 4)
+    recorder.on_step(0, Draft("r", [14, 15, 16], drafter_version="v2"),
+                     VerifyResult("r", 3, 3, [14, 15, 16, 17], True), 3)
+    # a last step cut by max_new_tokens: one of its two accepted ids was emitted
+    recorder.on_step(0, Draft("r", [18]), VerifyResult("r", 3, 2, [18], False), 3)
+    recorder.on_request_done(SimpleNamespace(request_id="r", request=request,
+                                             output=[10, 11, 12, 13, 14, 15, 16, 17, 18]), "length")
+    record = decode_record(encode_record(writer.records[0]))
+    assert [(list(s.drafted), s.unseen_drafted, s.accepted) for s in record.steps] == [
+        ([11, 12], 2, 2), ([14, 15, 16], 0, 3), ([18], 2, 1)]
+    assert [(offset, drafted, accepted) for offset, drafted, accepted, _ in record_steps(record)] == [
+        (1, 4, 2), (4, 3, 3), (8, 3, 1)]

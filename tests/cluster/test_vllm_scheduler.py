@@ -14,7 +14,7 @@ from specd.cluster.vllm_scheduler import VllmScheduler, vllm_limits
 from specd.configs import load_config
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.core.stats import RequestStats
-from specd.workers.engine.types import FinishReason, NewRequest, SpecParams, VerifyResult
+from specd.workers.engine.types import Draft, FinishReason, NewRequest, SpecParams, VerifyResult
 
 
 class _Method:
@@ -54,7 +54,8 @@ class ScriptedActor:
         stats.record_step(2, 1, False, drafter_version="v1")
         record = VerifyResult(rid, 2, 1, [3], False)
         self.events += [TokensOut(rid, [1, 2]), TokensOut(rid, [3]),
-                        FinishOut(rid, "length", stats, [record], "v1")]
+                        FinishOut(rid, "length", stats, [(Draft(rid, [3, 9], drafter_version="v1"), record)],
+                                  "v1")]
 
     async def _poll(self, timeout_s):
         await asyncio.sleep(0.01)

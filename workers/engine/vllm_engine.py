@@ -10,9 +10,11 @@ vLLM's model-runner (worker) process behind speculative_config method "custom_cl
 Statistics. vLLM records per request, per step that carried drafts, how many were drafted and accepted
 (`per_request_spec_decode_metrics="detailed"`), and hands them over when the request finishes. Streaming
 the output as deltas gives every step's emitted tokens; aligning the two yields the same RequestStats as
-the torch backend (steps without drafts emit one token) and one VerifyResult per step, the replay record
-of online distillation, carrying the target's top-k log-probabilities when `teacher_topk` > 0 (vLLM's raw
-logprobs of the emitted positions).
+the torch backend (steps without drafts emit one token) and one (Draft, VerifyResult) per step, the replay
+record of online distillation, carrying the target's top-k log-probabilities when `teacher_topk` > 0
+(vLLM's raw logprobs of the emitted positions). The Draft holds the ids and version the proposer filed
+for the step (vllm_proposer.DraftLog); where it filed none, the accepted prefix, the only drafts the output
+shows, and the configured version.
 
 Speculation modes: "specd" (specd's drafter, the default when spec.enabled), "vllm-ngram" (vLLM's own
 prompt lookup, for comparison) and "none" (vLLM autoregressive, the baseline).
@@ -34,12 +36,22 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from specd.workers.core.stats import RequestStats
 from specd.workers.drafters.model import read_drafter_version, resolve_drafter_dir
 from specd.workers.engine.runner import resolve_dtype
 from specd.workers.engine.sequence import Sequence
-from specd.workers.engine.types import FinishReason, NewRequest, VerifyResult
-from specd.workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
+from specd.workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
+from specd.workers.engine.vllm_proposer import (
+    ENV_SETTINGS,
+    PROPOSER_CLASS,
+    DraftLog,
+    ProposerSettings,
+    draft_log,
+    drop_draft_log,
+    prefix_key,
+)
 from specd.workers.models.loader import ensure_target_model
 
 SPECULATION_MODES = ("specd", "vllm-ngram", "none")
@@ -150,10 +162,13 @@ class VllmEngine:
         if spec_cfg is None:
             self.mode = "none"
         self.drafter_version = drafter_version(cfg) if self.mode == "specd" else None
+        self._settings_path = str(self._tmp / "proposer.json")
+        # filled by the proposer when it runs in this process (see the module's docstring)
+        self.draft_log: DraftLog | None = draft_log(self._settings_path) if self.mode == "specd" else None
         if self.mode == "specd":
             settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file), versions)
             # vLLM builds the proposer in its worker process, which inherits this environment.
-            os.environ[ENV_SETTINGS] = str(settings.write(self._tmp / "proposer.json"))
+            os.environ[ENV_SETTINGS] = str(settings.write(self._settings_path))
         kwargs = dict(
             model=str(self.model_dir),
             dtype=str(resolve_dtype(cfg.target.dtype, cfg.target.device)).removeprefix("torch."),
@@ -196,7 +211,16 @@ class VllmEngine:
         }
 
     def version(self) -> str | None:
-        return self.drafter_version
+        """The version drafting now: the proposer's, after a swap too, where it shares this process."""
+        live = self.draft_log.serving_version if self.draft_log is not None else None
+        return live or self.drafter_version
+
+    def swap_stats(self) -> dict:
+        """The proposer's hot swaps (DraftWorker.swap_stats) where it shares this process, else none."""
+        log_ = self.draft_log
+        if log_ is not None and log_.swap_stats is not None:
+            return log_.swap_stats()
+        return {"version": self.version(), "swaps": 0, "rejected": {}}
 
     def load_drafter(self, path: str | Path) -> str:
         """Hot swap: the proposer loads these weights before its next proposal (model drafter only)."""
@@ -215,6 +239,7 @@ class VllmEngine:
         if engine is not None:
             engine.engine_core.shutdown()
         shutil.rmtree(self._tmp, ignore_errors=True)
+        drop_draft_log(self._settings_path)
 
     # ---- generation ---------------------------------------------------------------------------
     def _sampling(self, req: NewRequest, ignore_eos: bool):
@@ -242,12 +267,12 @@ class VllmEngine:
         requests: list[NewRequest],
         on_step: Callable[[Sequence, list[int]], None] | None = None,
         ignore_eos: bool = False,
-        on_record: Callable[[Sequence, VerifyResult], None] | None = None,
+        on_record: Callable[[Sequence, Draft, VerifyResult], None] | None = None,
     ) -> list[Sequence]:
         """Run every request to completion; `on_step(seq, emitted)` sees each emitted chunk as vLLM makes it.
 
-        `on_record(seq, result)` gets one VerifyResult per step of a request once it finishes (vLLM reports
-        per-step draft counts only then), with the target's top-k logprobs when teacher_topk > 0.
+        `on_record(seq, draft, result)` gets each step of a request once it finishes (vLLM reports per-step
+        draft counts only then), with the target's top-k logprobs when teacher_topk > 0.
         """
         seqs = self.submit(requests, ignore_eos)
         while self.has_unfinished():
@@ -289,7 +314,7 @@ class VllmEngine:
     def step(
         self,
         on_step: Callable[[Sequence, list[int]], None] | None = None,
-        on_record: Callable[[Sequence, VerifyResult], None] | None = None,
+        on_record: Callable[[Sequence, Draft, VerifyResult], None] | None = None,
     ) -> list[Sequence]:
         """One vLLM engine step: emit each running request's new tokens; returns the requests it finished."""
         finished = []
@@ -317,17 +342,35 @@ class VllmEngine:
         accepted = list(metrics.per_step_accepted) if metrics is not None else []
         steps = align_steps(deltas, list(zip(drafted, accepted, strict=True)))
         seq.stats = RequestStats()
+        history = np.array([*seq.request.prompt_token_ids, *(t for d in deltas for t in d)], dtype=np.int32)
+        end = len(seq.request.prompt_token_ids) + len(deltas[0]) if deltas else 0
         for (num_drafted, num_accepted), tokens, lps in zip(steps, deltas[1:], logprobs[1:], strict=True):
+            draft = self._filed_draft(seq.request_id, history[:end], num_drafted, num_accepted, tokens)
+            end += len(tokens)
             bonus = num_accepted == num_drafted
-            version = self.drafter_version if num_drafted else None
+            version = draft.drafter_version or None
             seq.stats.record_step(num_drafted, num_accepted, bonus, drafter_version=version)
             if on_record is not None:
                 ids, values = topk_lists(lps, self.teacher_topk)
-                on_record(seq, VerifyResult(seq.request_id, num_drafted, num_accepted, tokens, bonus,
-                                            teacher_topk_ids=ids, teacher_topk_logprobs=values))
+                on_record(seq, draft, VerifyResult(seq.request_id, num_drafted, num_accepted, tokens, bonus,
+                                                   teacher_topk_ids=ids, teacher_topk_logprobs=values))
         if not seq.finished:
             # vLLM ended it for a reason Sequence does not model (context full, abort).
             seq.abort(FinishReason.LENGTH if completion.finish_reason == "length" else FinishReason.CANCELLED)
+
+    def _filed_draft(self, request_id: str, history, num_drafted: int, num_accepted: int,
+                     emitted: list[int]) -> Draft:
+        """The draft a step verified: what the proposer filed after `history` (the prompt and output before
+        the step) when it agrees with vLLM's counts and the emitted tokens, else the accepted prefix."""
+        if not num_drafted:
+            return Draft(request_id, [])
+        filed = self.draft_log.pop(prefix_key(history)) if self.draft_log is not None else None
+        seen = min(num_accepted, len(emitted))       # a last step cut by max_tokens shows fewer
+        if filed is not None:
+            ids, version = filed
+            if len(ids) == num_drafted and ids[:seen] == emitted[:seen]:
+                return Draft(request_id, list(ids), drafter_version=version)
+        return Draft(request_id, list(emitted[:seen]), drafter_version=self.version() or "")
 
 
 def align_steps(deltas: list[list[int]], drafted_steps: list[tuple[int, int]]) -> list[tuple[int, int]]:

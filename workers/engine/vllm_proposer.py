@@ -25,6 +25,13 @@ What vLLM gives us and what it does not (0.32, vllm/v1/worker/gpu_model_runner.p
 - No per-request settings reach the proposer: γ policy and budget are the engine's (spec.policy,
   spec.gamma), and γ never exceeds num_speculative_tokens.
 
+What was drafted, for the replay records and per-version metrics. vLLM reports per request only how many
+drafts each step carried and kept. Where the proposer runs in the engine's process (the serving actor sets
+VLLM_ENABLE_V1_MULTIPROCESSING=0), it files each row's drafts and their drafter version in a `DraftLog`
+under the key of the history they were drafted after; VllmEngine reads them back by the same key when
+the request finishes. Elsewhere (vLLM's own engine process) nothing is filed and the engine falls back
+to the counts and its configured version.
+
 Published drafter versions (the online trainer's) are followed by the DraftWorker itself when the
 settings name a version store (`versions`): it watches CURRENT in the background and swaps between two
 propose() calls, so no request fails across a swap.
@@ -42,7 +49,10 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -111,6 +121,44 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class DraftLog:
+    """The drafts of recent proposer calls, by the key of the history each was drafted after (prefix_key),
+    with the version that drafted it; bounded, oldest first out (a cancelled request's drafts age out)."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self.serving_version: str | None = None   # the weights the proposer drafts with now
+        self.swap_stats: Callable[[], dict] | None = None   # the proposer's DraftWorker.swap_stats
+        self._entries: OrderedDict[bytes, tuple[list[int], str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, key: bytes, tokens: list[int], version: str) -> None:
+        with self._lock:
+            self._entries[key] = (tokens, version)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def pop(self, key: bytes) -> tuple[list[int], str] | None:
+        with self._lock:
+            return self._entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+_DRAFT_LOGS: dict[str, DraftLog] = {}
+
+
+def draft_log(settings_path: str) -> DraftLog:
+    """The process's DraftLog of the engine whose proposer reads `settings_path` (one per engine)."""
+    return _DRAFT_LOGS.setdefault(str(settings_path), DraftLog())
+
+
+def drop_draft_log(settings_path: str) -> None:
+    _DRAFT_LOGS.pop(str(settings_path), None)
+
+
 @dataclass
 class _Tracked:
     """One specd request of the DraftWorker, standing for whichever vLLM row continues its prefix."""
@@ -125,6 +173,7 @@ class SpecdProposer:
     """vLLM custom_class proposer backed by a specd DraftWorker (any registered drafter, any γ policy)."""
 
     def __init__(self, vllm_config, settings: ProposerSettings | None = None):
+        self.log = DraftLog() if settings is not None else draft_log(os.environ.get(ENV_SETTINGS, ""))
         self.settings = settings or ProposerSettings.from_env()
         spec_cfg = SpecConfig(**self.settings.spec)
         self.worker = DraftWorker(
@@ -146,6 +195,7 @@ class SpecdProposer:
             else:
                 self.worker.watch_versions(self.settings.versions, self.settings.target_model_dir,
                                            self.settings.versions_poll_s)
+        self.log.swap_stats = self.worker.swap_stats
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
         # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.
@@ -219,7 +269,15 @@ class SpecdProposer:
             seq.key = prefix_key(history)
             self.tracked.setdefault(seq.key, []).append(seq)
             out[i] = list(draft.tokens)
+            if draft.tokens:
+                self.log.put(seq.key, out[i], draft.drafter_version)
+        self.log.serving_version = self.serving_version()
         return out
+
+    def serving_version(self) -> str:
+        """The version of the weights drafting now (a swap changes it), else the drafter's own."""
+        drafter = self.worker.drafter
+        return (drafter.weights_drafter or drafter).version
 
     def _observe_step(self, now: float, rows: int, whole: bool) -> None:
         """Price vLLM's step between the previous call and this one (its verify of the drafts returned then,

@@ -176,6 +176,33 @@ def test_proposer_hot_swaps_drafter_weights(tmp_path, tiny_drafter_dir):
     assert proposer.worker.version() == "tiny-2"
 
 
+def test_proposer_files_its_drafts_for_the_records(tmp_path, tiny_drafter_dir):
+    """Each row's drafts are filed under the key of the history they follow, with the drafting version;
+    the engine's read-back takes them when vLLM's counts agree and falls back to the accepted prefix."""
+    from specd.workers.engine.vllm_engine import VllmEngine
+    from specd.workers.engine.vllm_proposer import prefix_key
+
+    proposer = make_proposer(tmp_path, "model", policy="fixed", path=tiny_drafter_dir)
+    fake = FakeVllm(PROMPTS[:2], max_new=20)
+    drafts = fake.step(proposer)
+    assert proposer.log.serving_version == "tiny-1"
+    keys = {r: prefix_key(np.array(fake.histories[r], dtype=np.int32)) for r in drafts}
+    engine = SimpleNamespace(draft_log=proposer.log, version=lambda: "configured")
+    history = np.array(fake.histories[0], dtype=np.int32)
+    d0 = drafts[0]
+    # vLLM kept the first two drafts and emitted a recovered token: the filed ids come back, once
+    got = VllmEngine._filed_draft(engine, "a", history, len(d0), 2, [*d0[:2], 99])
+    assert got.tokens == d0 and got.drafter_version == "tiny-1"
+    assert proposer.log.pop(keys[0]) is None
+    # counts that disagree with what was filed (or nothing filed): the accepted prefix, configured version
+    d1 = drafts[1]
+    history1 = np.array(fake.histories[1], dtype=np.int32)
+    got = VllmEngine._filed_draft(engine, "b", history1, len(d1) + 1, 1, [d1[0], 5])
+    assert got.tokens == [d1[0]] and got.drafter_version == "configured"
+    got = VllmEngine._filed_draft(engine, "c", np.array([1, 2], dtype=np.int32), 3, 0, [5])
+    assert got.tokens == [] and got.drafter_version == "configured"
+
+
 def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([], [1]) == 0
@@ -231,7 +258,7 @@ def run_vllm(cfg, mode: str, prompts: list[list[int]], n: int, sampled: int = 0)
     try:
         records = []
         reqs = [NewRequest(f"g{i}", p, SamplingParams(), n) for i, p in enumerate(prompts)]
-        seqs = engine.generate(reqs, ignore_eos=True, on_record=lambda _s, r: records.append(r))
+        seqs = engine.generate(reqs, ignore_eos=True, on_record=lambda _s, d, r: records.append((d, r)))
         hot = SamplingParams(temperature=0.8, seed=7)
         warm = engine.generate([NewRequest(f"t{i}", p, hot, n) for i, p in enumerate(prompts[:sampled])],
                                ignore_eos=True)
