@@ -67,7 +67,7 @@ class VllmTarget:
 
     # ---- the router's calls ---------------------------------------------------------------------
     def info(self) -> dict:
-        return {**self.engine.info(), "load_s": self.engine.load_s}
+        return {**self.engine.info(), "load_s": self.engine.load_s, "profile_s": self.engine.profile_s}
 
     def submit(self, requests: list[NewRequest], ignore_eos: bool = False) -> None:
         with self._lock:

@@ -56,8 +56,8 @@ async def bring_up_vllm(cfg, res, install_signals):
     res.vllm_actors = [remote.remote(cfg, 0, versions) for _ in range(cfg.target.replicas)]
     infos = await asyncio.gather(*[a.info.remote() for a in res.vllm_actors])
     for i, info in enumerate(infos):
-        log.info("replica %d: vLLM engine up in %.1f s, speculation %s, drafter %s", i, info["load_s"],
-                 info["speculation"], info["drafter_version"])
+        log.info("replica %d: vLLM engine up in %.1f s (cost sweep %.1f s), speculation %s, drafter %s",
+                 i, info["load_s"], info["profile_s"], info["speculation"], info["drafter_version"])
     capacity = [int(i["max_slots"]) for i in infos]
     return model_dir, codec, infos, capacity
 

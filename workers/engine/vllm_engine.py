@@ -13,8 +13,8 @@ the output as deltas gives every step's emitted tokens; aligning the two yields 
 the torch backend (steps without drafts emit one token) and one (Draft, VerifyResult) per step, the replay
 record of online distillation, carrying the target's top-k log-probabilities when `teacher_topk` > 0
 (vLLM's raw logprobs of the emitted positions). The Draft holds the ids and version the proposer filed
-for the step (vllm_proposer.DraftLog); where it filed none, the accepted prefix, the only drafts the output
-shows, and the configured version.
+for the step (workers/engine/vllm_link.py); where it filed none, the accepted prefix, the only drafts the
+output shows, and the configured version.
 
 Speculation modes: "specd" (specd's drafter, the default when spec.enabled), "vllm-ngram" (vLLM's own
 prompt lookup, for comparison) and "none" (vLLM autoregressive, the baseline).
@@ -38,20 +38,20 @@ from pathlib import Path
 
 import numpy as np
 
+from specd.workers.core.sampling import SamplingParams as Sampling
 from specd.workers.core.stats import RequestStats
 from specd.workers.drafters.model import read_drafter_version, resolve_drafter_dir
 from specd.workers.engine.runner import resolve_dtype
 from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
-from specd.workers.engine.vllm_proposer import (
-    ENV_SETTINGS,
-    PROPOSER_CLASS,
-    DraftLog,
-    ProposerSettings,
-    draft_log,
-    drop_draft_log,
+from specd.workers.engine.vllm_link import (
+    ProposerLink,
+    drop_proposer_link,
     prefix_key,
+    proposer_link,
+    verify_table,
 )
+from specd.workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
 from specd.workers.models.loader import ensure_target_model
 
 SPECULATION_MODES = ("specd", "vllm-ngram", "none")
@@ -164,7 +164,7 @@ class VllmEngine:
         self.drafter_version = drafter_version(cfg) if self.mode == "specd" else None
         self._settings_path = str(self._tmp / "proposer.json")
         # filled by the proposer when it runs in this process (see the module's docstring)
-        self.draft_log: DraftLog | None = draft_log(self._settings_path) if self.mode == "specd" else None
+        self.link: ProposerLink | None = proposer_link(self._settings_path) if self.mode == "specd" else None
         if self.mode == "specd":
             settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file), versions)
             # vLLM builds the proposer in its worker process, which inherits this environment.
@@ -188,10 +188,11 @@ class VllmEngine:
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
-        self.load_s = time.perf_counter() - t0
         self._count = 0
         self._warned_tree = False
         self._live: dict[str, tuple[Sequence, list[list[int]], list]] = {}
+        self.profile_s = self._profile_costs()
+        self.load_s = time.perf_counter() - t0
 
     # ---- introspection ------------------------------------------------------------------------
     def info(self) -> dict:
@@ -212,14 +213,13 @@ class VllmEngine:
 
     def version(self) -> str | None:
         """The version drafting now: the proposer's, after a swap too, where it shares this process."""
-        live = self.draft_log.serving_version if self.draft_log is not None else None
+        live = self.link.serving_version if self.link is not None else None
         return live or self.drafter_version
 
     def swap_stats(self) -> dict:
         """The proposer's hot swaps (DraftWorker.swap_stats) where it shares this process, else none."""
-        log_ = self.draft_log
-        if log_ is not None and log_.swap_stats is not None:
-            return log_.swap_stats()
+        if self.link is not None and self.link.in_process():
+            return self.link.swap_stats()
         return {"version": self.version(), "swaps": 0, "rejected": {}}
 
     def load_drafter(self, path: str | Path) -> str:
@@ -239,7 +239,52 @@ class VllmEngine:
         if engine is not None:
             engine.engine_core.shutdown()
         shutil.rmtree(self._tmp, ignore_errors=True)
-        drop_draft_log(self._settings_path)
+        drop_proposer_link(self._settings_path)
+
+    # ---- the goodput plan's costs ------------------------------------------------------------------
+    def _profile_costs(self, steps: int = 4) -> float:
+        """Time vLLM's verify steps before serving, for the goodput plan inside the proposer: at each of
+        spec.goodput_profile_batch_sizes (up to max_running) a batch of throwaway requests steps with 0, 1,
+        2, γ/2 and γ throwaway drafts per row (vllm_link.py), `steps` times each; the proposer's cost model
+        then starts from what this engine measured instead of a prior taken on another engine, and its
+        step corrections (vllm_proposer._observe_step) follow the load from there. Only where the proposer
+        shares this process and plans by goodput; returns the seconds it took."""
+        link = self.link
+        if link is None or not link.in_process() or self.cfg.spec.policy != "goodput":
+            return 0.0
+        t0 = time.perf_counter()
+        gamma = max(1, int(self.cfg.spec.gamma))
+        drafts = sorted({0, 1, 2, gamma // 2, gamma})
+        batches = sorted({min(int(b), self.max_running) for b in self.cfg.spec.goodput_profile_batch_sizes})
+        prompt = [int(t) for t in range(11, 43)]
+        budget = self.cfg.target.max_seq_len - len(prompt) - 1
+        link.samples.clear()
+        try:
+            for b in batches:
+                # sweep mode from the prefill on: the drafter never sees these requests
+                link.force_gamma = 0
+                reqs = [NewRequest(f"profile-{b}-{i}", prompt[i % 8:] + prompt[: i % 8], Sampling(), budget)
+                        for i in range(b)]
+                self.submit(reqs, ignore_eos=True)
+                while any(not seq.output for seq, _, _ in self._live.values()):
+                    self.step()                           # the prefills
+                for gamma_k in drafts:
+                    link.force_gamma = gamma_k
+                    for _ in range(steps + 1):            # the first verifies the previous shape's drafts
+                        if len(self._live) < b:
+                            break                         # a request ran out of context: stop this size
+                        self.step()
+                link.force_gamma = None
+                self.abort([r.request_id for r in reqs])
+        finally:
+            link.force_gamma = None
+        table = verify_table(link.samples, 1 + gamma)
+        if table:
+            link.profile = {"verify": table}
+        took = time.perf_counter() - t0
+        log.info("vLLM verify steps profiled in %.1f s: %s", took,
+                 {b: [round(t * 1e3, 1) for t in row[:: max(1, gamma // 2)]] for b, row in table.items()})
+        return took
 
     # ---- generation ---------------------------------------------------------------------------
     def _sampling(self, req: NewRequest, ignore_eos: bool):
@@ -364,7 +409,7 @@ class VllmEngine:
         the step) when it agrees with vLLM's counts and the emitted tokens, else the accepted prefix."""
         if not num_drafted:
             return Draft(request_id, [])
-        filed = self.draft_log.pop(prefix_key(history)) if self.draft_log is not None else None
+        filed = self.link.pop(prefix_key(history)) if self.link is not None else None
         seen = min(num_accepted, len(emitted))       # a last step cut by max_tokens shows fewer
         if filed is not None:
             ids, version = filed

@@ -25,12 +25,9 @@ What vLLM gives us and what it does not (0.32, vllm/v1/worker/gpu_model_runner.p
 - No per-request settings reach the proposer: γ policy and budget are the engine's (spec.policy,
   spec.gamma), and γ never exceeds num_speculative_tokens.
 
-What was drafted, for the replay records and per-version metrics. vLLM reports per request only how many
-drafts each step carried and kept. Where the proposer runs in the engine's process (the serving actor sets
-VLLM_ENABLE_V1_MULTIPROCESSING=0), it files each row's drafts and their drafter version in a `DraftLog`
-under the key of the history they were drafted after; VllmEngine reads them back by the same key when
-the request finishes. Elsewhere (vLLM's own engine process) nothing is filed and the engine falls back
-to the counts and its configured version.
+Where the proposer runs in the engine's process it shares a `ProposerLink` with VllmEngine
+(workers/engine/vllm_link.py): it files what it drafted (vLLM reports per-step counts only), reports its
+serving version and swaps, and runs the engine's start-up sweep of verify costs.
 
 Published drafter versions (the online trainer's) are followed by the DraftWorker itself when the
 settings name a version store (`versions`): it watches CURRENT in the background and swaps between two
@@ -45,14 +42,10 @@ VllmEngine.load_drafter).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -63,6 +56,7 @@ from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.draft_worker import DraftWorker
 from specd.workers.engine.planner import SpeculationPlanner
 from specd.workers.engine.types import DraftItem, NewRequest, SpecParams
+from specd.workers.engine.vllm_link import ProposerLink, prefix_key, proposer_link
 
 ENV_SETTINGS = "SPECD_VLLM_PROPOSER_CONFIG"
 PROPOSER_CLASS = f"{__name__}.SpecdProposer"
@@ -106,12 +100,6 @@ class ProposerSettings:
         return cls.read(path)
 
 
-def prefix_key(tokens: np.ndarray) -> bytes:
-    """A collision-safe key of a token prefix (int32 bytes, like vLLM's token_ids_cpu rows)."""
-    data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -119,44 +107,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-class DraftLog:
-    """The drafts of recent proposer calls, by the key of the history each was drafted after (prefix_key),
-    with the version that drafted it; bounded, oldest first out (a cancelled request's drafts age out)."""
-
-    def __init__(self, capacity: int = 1 << 16):
-        self.capacity = capacity
-        self.serving_version: str | None = None   # the weights the proposer drafts with now
-        self.swap_stats: Callable[[], dict] | None = None   # the proposer's DraftWorker.swap_stats
-        self._entries: OrderedDict[bytes, tuple[list[int], str]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def put(self, key: bytes, tokens: list[int], version: str) -> None:
-        with self._lock:
-            self._entries[key] = (tokens, version)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-
-    def pop(self, key: bytes) -> tuple[list[int], str] | None:
-        with self._lock:
-            return self._entries.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_DRAFT_LOGS: dict[str, DraftLog] = {}
-
-
-def draft_log(settings_path: str) -> DraftLog:
-    """The process's DraftLog of the engine whose proposer reads `settings_path` (one per engine)."""
-    return _DRAFT_LOGS.setdefault(str(settings_path), DraftLog())
-
-
-def drop_draft_log(settings_path: str) -> None:
-    _DRAFT_LOGS.pop(str(settings_path), None)
 
 
 @dataclass
@@ -173,7 +123,8 @@ class SpecdProposer:
     """vLLM custom_class proposer backed by a specd DraftWorker (any registered drafter, any γ policy)."""
 
     def __init__(self, vllm_config, settings: ProposerSettings | None = None):
-        self.log = DraftLog() if settings is not None else draft_log(os.environ.get(ENV_SETTINGS, ""))
+        own = settings is not None
+        self.link = ProposerLink() if own else proposer_link(os.environ.get(ENV_SETTINGS, ""))
         self.settings = settings or ProposerSettings.from_env()
         spec_cfg = SpecConfig(**self.settings.spec)
         self.worker = DraftWorker(
@@ -195,7 +146,7 @@ class SpecdProposer:
             else:
                 self.worker.watch_versions(self.settings.versions, self.settings.target_model_dir,
                                            self.settings.versions_poll_s)
-        self.log.swap_stats = self.worker.swap_stats
+        self.link.swap_stats = self.worker.swap_stats
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.gamma = min(spec_cfg.gamma, int(vllm_config.speculative_config.num_speculative_tokens))
         # vLLM's rows may never draft more than num_speculative_tokens; the request's policy plans within it.
@@ -225,6 +176,10 @@ class SpecdProposer:
         tokens, sampled_token_ids[i], included). Rows without sampled tokens are mid-prefill: no drafts."""
         self.calls += 1
         now = time.perf_counter()
+        if self.link.force_gamma is not None:
+            return self._sweep_step(now, sampled_token_ids, num_tokens_no_spec)
+        if self.link.profile is not None:
+            self._take_profile()
         self._maybe_swap()
         rows: list[tuple[int, _Tracked, np.ndarray]] = []
         items: list[DraftItem] = []
@@ -270,8 +225,8 @@ class SpecdProposer:
             self.tracked.setdefault(seq.key, []).append(seq)
             out[i] = list(draft.tokens)
             if draft.tokens:
-                self.log.put(seq.key, out[i], draft.drafter_version)
-        self.log.serving_version = self.serving_version()
+                self.link.put(seq.key, out[i], draft.drafter_version)
+        self.link.serving_version = self.serving_version()
         return out
 
     def serving_version(self) -> str:
@@ -288,6 +243,34 @@ class SpecdProposer:
         if last is None or not whole or rows != len(last[0]):
             return
         self.planner.costs.observe_verify(last[0], now - last[1])
+
+    # ---- the engine's start-up sweep (vllm_link.py) ----------------------------------------------
+    def _sweep_step(self, now: float, sampled_token_ids: list[list[int]],
+                    num_tokens_no_spec: np.ndarray) -> list[list[int]]:
+        """Throwaway drafts (the row's newest token, link.force_gamma times) for every row, and the time vLLM
+        took to verify the previous call's, when it verified the same rows with no prefill among them.
+        The drafter is not asked: the sweep's requests are aborted afterwards and never drafted for."""
+        rows = [i for i, sampled in enumerate(sampled_token_ids) if sampled]
+        last, self._last_step = self._last_step, None
+        whole = bool(rows) and len(rows) == len(sampled_token_ids)
+        if whole and last is not None and len(last[0]) == len(rows):
+            self.link.samples.append((len(rows), last[0][0], now - last[1]))
+        out: list[list[int]] = [[] for _ in sampled_token_ids]
+        for i in rows:
+            gamma = max(0, min(self.link.force_gamma, self.max_model_len - int(num_tokens_no_spec[i]) - 1))
+            out[i] = [int(sampled_token_ids[i][-1])] * gamma
+        if whole and len({len(d) for d in out}) == 1:
+            self._last_step = ([1 + len(out[0])] * len(rows), time.perf_counter())
+        return out
+
+    def _take_profile(self) -> None:
+        """The sweep's verify table and this drafter's own timings become the planner's cost profile."""
+        verify, self.link.profile = self.link.profile["verify"], None
+        drafting = self.worker.profile_drafting()
+        # vLLM packs a batch's rows without padding: a ragged batch costs its tokens (pad weight 0)
+        self.planner.set_cost_profile(verify, drafting["draft"], pad_weight=0.0,
+                                      catch_up=drafting["catch_up"])
+        log.info("specd proposer: cost profile from vLLM's steps, batch sizes %s", sorted(verify))
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _take(self, key: bytes) -> _Tracked | None:

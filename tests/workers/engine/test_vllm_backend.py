@@ -185,15 +185,15 @@ def test_proposer_files_its_drafts_for_the_records(tmp_path, tiny_drafter_dir):
     proposer = make_proposer(tmp_path, "model", policy="fixed", path=tiny_drafter_dir)
     fake = FakeVllm(PROMPTS[:2], max_new=20)
     drafts = fake.step(proposer)
-    assert proposer.log.serving_version == "tiny-1"
+    assert proposer.link.serving_version == "tiny-1"
     keys = {r: prefix_key(np.array(fake.histories[r], dtype=np.int32)) for r in drafts}
-    engine = SimpleNamespace(draft_log=proposer.log, version=lambda: "configured")
+    engine = SimpleNamespace(link=proposer.link, version=lambda: "configured")
     history = np.array(fake.histories[0], dtype=np.int32)
     d0 = drafts[0]
     # vLLM kept the first two drafts and emitted a recovered token: the filed ids come back, once
     got = VllmEngine._filed_draft(engine, "a", history, len(d0), 2, [*d0[:2], 99])
     assert got.tokens == d0 and got.drafter_version == "tiny-1"
-    assert proposer.log.pop(keys[0]) is None
+    assert proposer.link.pop(keys[0]) is None
     # counts that disagree with what was filed (or nothing filed): the accepted prefix, configured version
     d1 = drafts[1]
     history1 = np.array(fake.histories[1], dtype=np.int32)

@@ -1,0 +1,63 @@
+"""The link between VllmEngine and its in-process proposer: the start-up sweep of vLLM's verify costs
+(throwaway drafts, timed steps, the verify table the planner starts from). No vLLM engine is started."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specd.workers.engine.vllm_link import ProposerLink, prefix_key, verify_table
+from tests.workers.engine.test_vllm_backend import MAX_LEN, make_proposer
+
+
+def test_verify_table_takes_medians_and_fills_between_measured_counts():
+    samples = [(4, 1, 0.040), (4, 1, 0.050), (4, 1, 0.041), (4, 2, 0.060), (4, 4, 0.090),
+               (16, 1, 0.070), (16, 3, 0.110),
+               (8, 2, 0.5)]                       # no one-token measurement: left out
+    table = verify_table(samples, max_tokens=5)
+    assert sorted(table) == [4, 16]
+    assert table[4] == pytest.approx([0.041, 0.060, 0.075, 0.090, 0.105])   # 3 between, 5 past the end
+    assert table[16] == pytest.approx([0.070, 0.090, 0.110, 0.130, 0.150])
+
+
+def test_link_files_drafts_once_and_forgets_the_oldest():
+    link = ProposerLink(capacity=2)
+    keys = [prefix_key(np.array([i, i + 1], dtype=np.int32)) for i in range(3)]
+    for i, key in enumerate(keys):
+        link.put(key, [i], f"v{i}")
+    assert len(link) == 2 and link.pop(keys[0]) is None
+    assert link.pop(keys[2]) == ([2], "v2") and link.pop(keys[2]) is None
+
+
+def _call(proposer, histories: list[list[int]], sampled: list[list[int]]):
+    counts = np.array([len(h) for h in histories], dtype=np.int32)
+    ids = np.zeros((len(histories), MAX_LEN), dtype=np.int32)
+    for row, h in enumerate(histories):
+        ids[row, : len(h)] = h
+    return proposer.propose(sampled, counts, ids)
+
+
+def test_the_sweep_drafts_throwaway_tokens_and_times_the_steps(tmp_path):
+    proposer = make_proposer(tmp_path, "ngram")
+    proposer.link.force_gamma = 3
+    histories = [[5, 6, 7, 8], [9, 10, 11]]
+    out = _call(proposer, histories, [[8], [11]])
+    assert out == [[8, 8, 8], [11, 11, 11]]
+    assert proposer.link.samples == []                 # nothing verified yet
+    out = _call(proposer, [h + [1] for h in histories], [[1], [1]])
+    (rows, tokens, seconds), = proposer.link.samples
+    assert (rows, tokens) == (2, 4) and seconds > 0    # the step that verified 1 + 3 tokens per row
+    # a row mid-prefill: that step is not one of the same rows, so it is not timed
+    _call(proposer, [histories[0] + [1, 2], [4, 4]], [[2], []])
+    assert len(proposer.link.samples) == 1
+    assert proposer.worker.requests == {}, "the drafter never sees the sweep's requests"
+
+
+def test_the_sweep_table_becomes_the_planner_cost_profile(tmp_path):
+    proposer = make_proposer(tmp_path, "ngram")
+    table = {1: [0.02, 0.025, 0.03], 4: [0.04, 0.06, 0.08]}
+    proposer.link.profile = {"verify": table}
+    _call(proposer, [[3, 4, 5, 3, 4, 5, 3, 4]], [[4]])
+    costs = proposer.planner.costs
+    assert proposer.link.profile is None
+    assert costs.batches == [1, 4] and costs.verify_table[4] == table[4] and costs.pad_weight == 0.0
