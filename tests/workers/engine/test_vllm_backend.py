@@ -292,7 +292,12 @@ def test_vllm_backend_greedy_equals_vllm_greedy_on_gsm8k(monkeypatch):
         assert sum(s.stats.drafted for s in hot) > 0
         # Replay records: one per step, with the target's top-4 logprobs for every emitted token.
         assert len(records) == sum(s.stats.steps for s in seqs)
-        assert all(len(r.teacher_topk_ids) == len(r.new_tokens) for r in records)
-        top1 = [ids[0] for r in records for ids in r.teacher_topk_ids]
-        emitted = [t for r in records for t in r.new_tokens]
+        results = [r for _, r in records]
+        assert all(len(r.teacher_topk_ids) == len(r.new_tokens) for r in results)
+        # each step's draft: the filed ids (in-process proposer) or the accepted prefix, never more
+        for d, r in records:
+            k = r.num_accepted
+            assert len(d.tokens) <= r.num_drafted and d.tokens[:k] == r.new_tokens[:k]
+        top1 = [ids[0] for r in results for ids in r.teacher_topk_ids]
+        emitted = [t for r in results for t in r.new_tokens]
         assert np.mean(np.array(top1) == np.array(emitted)) > 0.99  # greedy: the target's top-1 (ties aside)
