@@ -61,3 +61,39 @@ def test_the_sweep_table_becomes_the_planner_cost_profile(tmp_path):
     costs = proposer.planner.costs
     assert proposer.link.profile is None
     assert costs.batches == [1, 4] and costs.verify_table[4] == table[4] and costs.pad_weight == 0.0
+
+
+@pytest.mark.slow
+def test_a_vllm_engine_sweeps_its_verify_steps_before_serving(monkeypatch):
+    """With the engine core in this process (as in the serving actor) and the goodput plan, VllmEngine times
+    vLLM's steps at each batch size and draft count, the proposer takes the table, and greedy output is
+    vLLM's own."""
+    from specd.configs import load_config
+    from specd.workers.core.sampling import SamplingParams
+    from specd.workers.engine.types import NewRequest
+    from specd.workers.engine.vllm_engine import VllmEngine, vllm_missing
+
+    if vllm_missing() is not None:
+        pytest.skip(vllm_missing())
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    base = ["target.max_slots=4", "target.max_seq_len=256", "drafter=ngram", "spec.gamma=4",
+            "spec.goodput_profile_batch_sizes=[1,4]"]
+    prompts = [[1, 504, 3937, 28, 2], [1, 11126, 314, 253, 2], [1, 3937, 3937, 28, 504, 2]]
+
+    def run(cfg, speculation):
+        engine = VllmEngine(cfg, speculation=speculation)
+        try:
+            reqs = [NewRequest(f"r{i}", p, SamplingParams(), 24) for i, p in enumerate(prompts)]
+            seqs = engine.generate(reqs, ignore_eos=True)
+            return engine, [s.output for s in seqs]
+        finally:
+            engine.close()
+
+    engine, outputs = run(load_config(base), "specd")
+    shapes = {(b, n) for b, n, _ in engine.link.samples}
+    assert {(1, 1), (1, 5), (4, 1), (4, 5)} <= shapes, shapes
+    assert engine.link.profile is None, "the proposer did not take the table"
+    assert engine.profile_s > 0
+    _, reference = run(load_config(base), "none")
+    assert outputs == reference
