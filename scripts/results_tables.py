@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -228,6 +229,35 @@ def overhead(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def overhead_ab(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """Two sets of `specd bench overhead` runs of the same cells, interleaved on one machine: the files
+    whose name holds "-before-" or "-pre-" against the others. Per cell the median of each set's runs,
+    the factor, and each set's time beyond target-only at the same batch size and place."""
+    runs: dict[tuple, dict[bool, list[float]]] = {}
+    tokens: dict[tuple, dict[bool, list[float]]] = {}
+    for name in files:
+        before = "-before-" in name or "-pre-" in name
+        for r in _load(root, name)["rows"]:
+            if _keep(r, where):
+                key = (r["where"], r["system"], r["batch"])
+                runs.setdefault(key, {True: [], False: []})[before].append(r["host_ms_per_step"])
+                tokens.setdefault(key, {True: [], False: []})[before].append(r["tokens_per_step"])
+    med = {k: {side: statistics.median(v) for side, v in sides.items() if v} for k, sides in runs.items()}
+    header = ("| where | system | batch | before ms | after ms | factor | beyond target-only before → after "
+              "| tokens/step before → after |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for (place, system, batch), m in med.items():
+        if True not in m or False not in m:
+            continue
+        base = med.get((place, "target-only", batch), {})
+        beyond = (f"{m[True] - base[True]:.2f} → {m[False] - base[False]:.2f}"
+                  if system != "target-only" and True in base and False in base else "")
+        t = {side: statistics.median(v) for side, v in tokens[(place, system, batch)].items()}
+        lines.append(f"| {place} | {system} | {batch} | {m[True]:.2f} | {m[False]:.2f} | "
+                     f"{m[True] / m[False]:.1f}x | {beyond} | {t[True]:.2f} → {t[False]:.2f} |")
+    return "\n".join(lines)
+
+
 def serve_vllm(root: Path, files: list[str], where: dict[str, str]) -> str:
     """`specd bench serve --vllm`: one row per server and client count, ratios to vLLM alone."""
     lines = ["| server | clients | tok/s | TPOT p50 ms | TPOT p99 ms | α | tokens/step | vs vLLM alone |",
@@ -248,7 +278,7 @@ def serve_vllm(root: Path, files: list[str], where: dict[str, str]) -> str:
 
 
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
-         "osd-arms": osd_arms, "soak": soak, "overhead": overhead,
+         "osd-arms": osd_arms, "soak": soak, "overhead": overhead, "overhead-ab": overhead_ab,
          "serve-vllm": serve_vllm}
 
 

@@ -28,7 +28,14 @@ from pathlib import Path
 import torch
 
 from specd.workers.core.keyed import keyed_race, seeds_tensor
-from specd.workers.core.sampling import SEED_RANGE, logits_to_probs, make_generator, params_to_tensors, sample
+from specd.workers.core.sampling import (
+    SEED_RANGE,
+    greedy_argmax,
+    logits_to_probs,
+    make_generator,
+    params_to_tensors,
+    sample,
+)
 from specd.workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
 from specd.workers.drafters.registry import register_drafter
 from specd.workers.drafters.versions import META_FILE, held_out_acceptance
@@ -281,7 +288,7 @@ class ModelDrafter(Drafter):
             greedy = [params[i].is_greedy for i in active]
             if all(greedy):
                 # greedy q is one-hot on the argmax, and sampling it draws nothing (sampling.py)
-                q, picked = None, logits.argmax(dim=-1)                          # [b]
+                q, picked = None, greedy_argmax(logits)                          # [b]
             else:
                 q = self._q(logits, [params[i] for i in active])                # [b, V']
                 picked = sample(q, [seqs[i].generator for i in active], greedy)  # [b]

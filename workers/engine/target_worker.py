@@ -21,6 +21,7 @@ import torch
 from specd.workers.core.keyed import keyed_sample
 from specd.workers.core.sampling import (
     SamplingParams,
+    greedy_argmax,
     logits_to_probs,
     make_generator,
     params_to_tensors,
@@ -233,7 +234,7 @@ class TargetWorker:
         device-to-host read for the batch; each read is a GPU synchronisation)."""
         n = max(1 + len(drafts[i].tokens) for i in rows)
         picked = logits[:, :n] if len(rows) == logits.shape[0] else logits[rows, :n]
-        return self._verify_by_choice(rows, picked.argmax(dim=-1).tolist(), drafts, runs, starts, hidden)
+        return self._verify_by_choice(rows, greedy_argmax(picked).tolist(), drafts, runs, starts, hidden)
 
     def _keyed_samples(self, rows, drafts, starts, p, runs) -> list[list[int]]:
         """The target's keyed sample (workers/core/keyed.py) after the root and after every draft node of

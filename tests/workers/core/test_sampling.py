@@ -195,3 +195,17 @@ def test_make_generator_takes_any_64_bit_seed():
     for seed in (2**64 - 1, 2**64 + 5, -1):
         a = torch.rand(2, generator=make_generator(seed))
         assert torch.equal(a, torch.rand(2, generator=make_generator(seed % 2**64)))
+
+
+def test_greedy_argmax_equals_torch_argmax_ties_nan_and_views_included():
+    from specd.workers.core.sampling import greedy_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 97, generator=g)
+    x[0, 1, 10] = x[0, 1, 40] = x[0, 1].max() + 1           # a tie: the first index wins in both
+    x[1, 2, 7] = float("nan")                               # a NaN counts as the maximum in both
+    x[2, 3] = float("-inf")                                 # a row of -inf: index 0
+    cases = [x, x[:, 1:4], x.double(), x[0, 0], x[:1, :1].expand(4, 6, 97), x.half(), x.bfloat16()]
+    for t in cases:
+        got = greedy_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1)), t.shape
