@@ -173,8 +173,9 @@ class SpecConfig:
     # fixed | egag | confidence | adaptive | goodput. goodput (default) picks γ per request and step for
     # the batch's tokens/s, 0 where drafting cannot pay (a cost model can err: see guard_window_steps).
     policy: GammaPolicyName = GammaPolicyName.goodput
-    # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row); measured
-    # steps correct the nearest one (without 8, batch-8 steps corrected the batch-4 row)
+    # goodput: batch sizes of the start-up sweep of verify forwards (1..1+gamma_max tokens per row; on
+    # target.backend=vllm, vLLM's steps with 0, 1, 2, γ/2 and γ drafts per row, up to target.max_slots
+    # rows); measured steps correct the nearest one (without 8, batch-8 steps corrected the batch-4 row)
     goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     # goodput: acceptance per position assumed before any is measured; None: the drafter's held-out
     # acceptance from its training record, 0.6 where it has none
