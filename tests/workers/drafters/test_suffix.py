@@ -125,6 +125,21 @@ def test_context_index_drafts_what_a_suffix_index_of_the_sequence_drafts(seed) -
             assert lazy.draft(context, depth, **kw) == full.draft(context, depth, **kw)
 
 
+def test_context_index_reads_the_newest_occurrences_of_a_repeated_token() -> None:
+    """Past max_occurrences occurrences of the last token, a match reads the newest ones only: a draft's cost
+    is bounded on a request that repeats itself, and it follows the request's recent text."""
+    old, recent = [3, 1] * 50, [3, 2] * 8
+    index = ContextIndex(max_depth=10, max_occurrences=8)
+    index.extend(old + recent + [3])
+    # 58 earlier occurrences of 3: the 50 oldest go on with 1, the 8 newest with 2
+    assert index.draft([3], depth=1, min_prob=0.0).tokens == [2]
+    unbounded = ContextIndex(max_depth=10, max_occurrences=1000)
+    unbounded.extend(old + recent + [3])
+    assert unbounded.draft([3], depth=1, min_prob=0.0).tokens == [1]
+    with pytest.raises(ValueError, match="max_occurrences"):
+        ContextIndex(max_occurrences=0)
+
+
 def test_drafts_the_most_frequent_continuation() -> None:
     index = SuffixIndex(max_depth=8)
     for tail in ([7, 8, 9], [7, 8, 9], [7, 5, 5], [6, 1, 1]):
