@@ -86,13 +86,18 @@ def write_stand_ins(root: Path, max_seq_len: int) -> tuple[Path, Path]:
 class FreeForward:
     """ModelRunner._forward's interface, answering at once: logits peaked at TOKEN, zero hidden states.
 
-    The outputs are broadcast views of one row, so a caller that wrote into them would fail loudly
-    rather than change what the next call returns."""
+    The logits are views of one buffer filled with that row once, grown as needed: each row contiguous in
+    memory, as a real forward's are (a broadcast view of one row, which the bench used before, made the
+    target's argmax over the vocabulary 3.5x slower than on real logits: docs/decisions/cpu-argmax.md).
+    The hidden states are a broadcast view of one zero row. The bench runs greedy requests, whose path
+    never writes into logits; a caller that did would change what later calls return, which the
+    bench's tokens per step would show (every draft is accepted only while the logits peak at TOKEN)."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.calls = 0
         self._rows: dict[bool, torch.Tensor] = {}
+        self._logits: dict[bool, torch.Tensor] = {}     # [rows, positions, width] copies of _row
         dtype, device = model.embed_tokens.dtype, model.embed_tokens.device
         self._hidden = torch.zeros(model.cfg.hidden_size, dtype=dtype, device=device)
 
@@ -118,7 +123,13 @@ class FreeForward:
         self.calls += 1
         b, n = input_ids.shape
         m = n if logit_index is None else logit_index.shape[1]
-        logits = self._row(full_vocab).expand(b, m, -1)
+        logits = self._logits.get(full_vocab)
+        if logits is None or logits.shape[0] < b or logits.shape[1] < m:
+            rows = max(b, 0 if logits is None else logits.shape[0])
+            positions = max(m, 0 if logits is None else logits.shape[1])
+            logits = self._row(full_vocab).expand(rows, positions, -1).contiguous()
+            self._logits[full_vocab] = logits
+        logits = logits[:b, :m]
         if return_hidden:
             return logits, self._hidden.expand(b, n, -1)
         return logits
