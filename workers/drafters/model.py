@@ -184,12 +184,13 @@ class ModelDrafter(Drafter):
     def pending_context(self, request_id: str) -> int:
         return len(self.seqs[request_id].feed) - 1
 
-    def _catch_up(self, seqs: list[_DraftSeq]) -> None:
+    def _catch_up(self, seqs: list[_DraftSeq], short_feeds: bool = True) -> None:
         """Put all but the newest token of each feed into the cache, so drafting then runs one token per row:
         short feeds together in one forward, long ones (a prompt, or tokens committed while the request
-        did not draft) in prefills of alike lengths (CATCH_UP_SPREAD)."""
+        did not draft) in prefills of alike lengths (CATCH_UP_SPREAD). short_feeds False: leave feeds of
+        at most CATCH_UP_BATCHED tokens whole, for the first drafting forward to take in."""
         waiting = [s for s in seqs if len(s.feed) > 1]
-        short = [s for s in waiting if len(s.feed) <= CATCH_UP_BATCHED]
+        short = [s for s in waiting if len(s.feed) <= CATCH_UP_BATCHED] if short_feeds else []
         groups: list[list[_DraftSeq]] = [short] if short else []
         for s in sorted((s for s in waiting if len(s.feed) > CATCH_UP_BATCHED), key=lambda s: len(s.feed)):
             last = groups[-1] if groups and groups[-1] is not short else None
@@ -269,8 +270,11 @@ class ModelDrafter(Drafter):
         tokens: list[list[int]] = [[] for _ in request_ids]
         qs: list[list[torch.Tensor]] = [[] for _ in request_ids]
         active = [i for i, g in enumerate(gammas) if g > 0]
-        self._catch_up([seqs[i] for i in active])
-        # absolute position of each row's first draft (the cache holds all but the feed's newest token)
+        # Eager forwards take a short feed (the previous step's accepted drafts and target token) in the
+        # forward that drafts the first token: one drafter forward a step fewer. The static decoder (CUDA
+        # graphs per shape bucket) keeps the separate catch-up: not yet measured on a GPU.
+        self._catch_up([seqs[i] for i in active], short_feeds=self.runner.static is not None)
+        # absolute position of each row's first draft (the cache holds everything before the feed)
         first_at = {i: self.runner.length(seqs[i].slot) + len(seqs[i].feed) for i in active}
         inputs = {i: seqs[i].feed for i in active}
         feats = {i: seqs[i].feed_hidden for i in active}

@@ -25,8 +25,9 @@ def test_seed_at_the_top_of_the_uint64_range_drafts(drafter):
 
 
 def test_catch_up_batches_feeds_of_alike_length(tiny_llama_dir, monkeypatch):
-    """Feeds a drafter has not taken in go in one forward when short, and in prefills of alike lengths
-    when long (requests that stopped drafting together come back together), never one per request."""
+    """Feeds a drafter has not taken in go in prefills of alike lengths when long (requests that stopped
+    drafting together come back together), never one per request; a short one goes in with the first
+    drafting forward (eager forwards)."""
     drafter = ModelDrafter(tiny_llama_dir, max_slots=4, max_seq_len=64, pack="none")
     calls = []
     prefill = drafter.runner.prefill
@@ -42,8 +43,39 @@ def test_catch_up_batches_feeds_of_alike_length(tiny_llama_dir, monkeypatch):
         drafter.commit(rid, 0, [6 + k % 7 for k in range(n)])
         assert drafter.pending_context(rid) == 3 + n - 1
     out = drafter.propose(list(committed), [2] * 4, [SamplingParams()] * 4)
-    assert sorted(calls) == [[4], [19, 21], [49]]
+    assert sorted(calls) == [[19, 21], [49]]
     assert [len(t) for t in out.tokens] == [2] * 4
+
+
+def test_a_short_feed_drafts_in_its_own_forward_what_a_catch_up_first_drafts(tiny_llama_dir, monkeypatch):
+    """Taking the feed in with the first drafting forward (one forward less a step) drafts the tokens that
+    a catch-up prefill then a one-token forward draft, step after step."""
+    drafts = {}
+    for merged in (True, False):
+        drafter = ModelDrafter(tiny_llama_dir, max_slots=2, max_seq_len=64, pack="none")
+        if not merged:
+            catch_up = drafter._catch_up
+            monkeypatch.setattr(drafter, "_catch_up", lambda seqs, short_feeds=True, f=catch_up: f(seqs))
+        extends, prefills = [], []
+        extend, prefill = drafter.runner.extend, drafter.runner.prefill
+        monkeypatch.setattr(drafter.runner, "extend",
+                            lambda slots, toks, **kw: extends.append(1) or extend(slots, toks, **kw))
+        monkeypatch.setattr(drafter.runner, "prefill",
+                            lambda slots, toks, **kw: prefills.append(1) or prefill(slots, toks, **kw))
+        out = []
+        for rid, prompt in (("a", [3, 4, 5, 9]), ("b", [7, 8])):
+            drafter.add_request(rid, prompt, seed=0)
+        for step in range(4):
+            proposal = drafter.propose(["a", "b"], [3, 2], [SamplingParams()] * 2)
+            out.append(proposal.tokens)
+            for rid, toks in zip(["a", "b"], proposal.tokens, strict=True):
+                kept = len(toks) if step % 2 == 0 else step % 3    # all drafts accepted, or some
+                drafter.commit(rid, kept, [*toks[:kept], 11 + step])
+        drafts[merged] = (out, len(extends), len(prefills))
+    assert drafts[True][0] == drafts[False][0]
+    assert drafts[True][1] == drafts[False][1]          # the same drafting forwards
+    # and no catch-up prefill: for the prompts, and after each step whose drafts were all accepted
+    assert drafts[True][2] == 0 and drafts[False][2] == 3
 
 
 def test_a_versions_own_held_out_acceptance_wins_over_its_bootstrap_record():
