@@ -47,6 +47,13 @@ def test_catch_up_batches_feeds_of_alike_length(tiny_llama_dir, monkeypatch):
     assert [len(t) for t in out.tokens] == [2] * 4
 
 
+def _count_calls(obj, name: str, monkeypatch) -> list[int]:
+    calls: list[int] = []
+    method = getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda *args, **kwargs: calls.append(1) or method(*args, **kwargs))
+    return calls
+
+
 def test_a_short_feed_drafts_in_its_own_forward_what_a_catch_up_first_drafts(tiny_llama_dir, monkeypatch):
     """Taking the feed in with the first drafting forward (one forward less a step) drafts the tokens that
     a catch-up prefill then a one-token forward draft, step after step."""
@@ -56,12 +63,8 @@ def test_a_short_feed_drafts_in_its_own_forward_what_a_catch_up_first_drafts(tin
         if not merged:
             catch_up = drafter._catch_up
             monkeypatch.setattr(drafter, "_catch_up", lambda seqs, short_feeds=True, f=catch_up: f(seqs))
-        extends, prefills = [], []
-        extend, prefill = drafter.runner.extend, drafter.runner.prefill
-        monkeypatch.setattr(drafter.runner, "extend",
-                            lambda slots, toks, **kw: extends.append(1) or extend(slots, toks, **kw))
-        monkeypatch.setattr(drafter.runner, "prefill",
-                            lambda slots, toks, **kw: prefills.append(1) or prefill(slots, toks, **kw))
+        extends = _count_calls(drafter.runner, "extend", monkeypatch)
+        prefills = _count_calls(drafter.runner, "prefill", monkeypatch)
         out = []
         for rid, prompt in (("a", [3, 4, 5, 9]), ("b", [7, 8])):
             drafter.add_request(rid, prompt, seed=0)
