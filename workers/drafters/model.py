@@ -410,9 +410,16 @@ class ModelDrafter(Drafter):
 
     def _greedy_children(self, logits, members, width, trees, q_child, frontier) -> None:
         """The top-`width` candidates of every frontier node of greedy rows `members` at once: greedy q is
-        one-hot, so they are ranked by the raw logits; deterministic, one-hot q_child (None)."""
-        picked = torch.cat([logits[j, frontier[i]] for j, i in members])        # [nodes, V']
-        top = self._to_target_ids(torch.topk(picked, min(width, picked.shape[-1])).indices)   # [nodes][w]
+        one-hot, so they are ranked by the raw logits; deterministic, one-hot q_child (None). One child
+        (every level below the first) is the argmax, as a chain drafts."""
+        batch_rows = [j for j, i in members for _ in frontier[i]]
+        nodes = [node for _, i in members for node in frontier[i]]
+        picked = logits[batch_rows, nodes]                                       # [nodes, V']
+        if width == 1:
+            best = greedy_argmax(picked)[:, None]                                # [nodes, 1]
+        else:
+            best = torch.topk(picked, min(width, picked.shape[-1])).indices      # [nodes, w]
+        top = self._to_target_ids(best)                                          # [nodes][w]
         k = 0
         for _, i in members:
             new_frontier = []

@@ -101,3 +101,14 @@ def test_sampled_rows_still_take_the_general_path(cfg):
     worker._probs = lambda logits, params: calls.append(len(params)) or probs(logits, params)
     out = worker.verify([Draft("g", [9, 9]), Draft("s", [9], parents=None)])
     assert calls == [2] and [len(r.new_tokens) >= 1 for r in out] == [True, True]
+
+
+def test_a_tree_rows_argmax_is_taken_only_at_the_nodes_its_walk_reads():
+    from specd.workers.engine.target_worker import _ArgmaxByNode
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, VOCAB)
+    logits[3, 5] = logits[3, 9] = logits[3].max() + 1      # a tie: the first index wins, as torch.argmax
+    choice = _ArgmaxByNode(logits)
+    assert [choice[k] for k in (0, 3, 6)] == logits.argmax(-1)[[0, 3, 6]].tolist()
+    assert choice[3] == 5 and sorted(choice.done) == [0, 3, 6]
