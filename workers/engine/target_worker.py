@@ -45,6 +45,7 @@ class _Running:
     generator: torch.Generator | None
     pending: int            # newest committed token, not yet in the KV cache
     num_tokens: int         # prompt + generated, including the pending token
+    speculates: bool = True  # the request has speculation on: a drafter may read its hidden states
 
 
 def resolve_device(device: str) -> str:
@@ -133,7 +134,9 @@ class TargetWorker:
                 hidden = None
                 if return_hidden:
                     logits, hidden = self.runner.prefill(slots, prompts, return_hidden=True)  # [b, vocab]
-                    hidden = [h.float().cpu() for h in hidden]
+                    # a request with speculation off never reaches the drafter: its states are not carried
+                    hidden = [h.float().cpu() if r.spec.enabled else None
+                              for h, r in zip(hidden, requests, strict=True)]
                 else:
                     logits = self.runner.prefill(slots, prompts)  # [b, vocab]
                 params = [r.sampling for r in requests]
@@ -153,7 +156,8 @@ class TargetWorker:
             raise
         for req, slot, gen, tok in zip(requests, slots, generators, first, strict=True):
             self.running[req.request_id] = _Running(
-                slot, req.sampling, gen, pending=tok, num_tokens=len(req.prompt_token_ids) + 1
+                slot, req.sampling, gen, pending=tok, num_tokens=len(req.prompt_token_ids) + 1,
+                speculates=req.spec.enabled,
             )
         self._busy += time.perf_counter() - t0
         if return_hidden:
@@ -220,8 +224,10 @@ class TargetWorker:
                     results.update(self._verify_trees(trees, drafts, runs, starts, p, hidden))
         seconds = time.perf_counter() - t0
         self._busy += seconds
-        for res in results.values():
+        for i, res in results.items():
             res.verify_seconds = seconds
+            if not runs[i].speculates:
+                res.hidden = None       # never read (see start): not carried back
         return [results[i] for i in range(len(drafts))]
 
     def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

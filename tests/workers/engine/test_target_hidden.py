@@ -124,6 +124,20 @@ def test_target_returns_the_state_that_predicted_each_token(cfg, target, tiny_ta
     target.release(["h0"])
 
 
+def test_a_request_with_speculation_off_carries_no_hidden_states(target):
+    """No drafter reads them, so neither its prompt's states nor its steps' come back (through Ray they
+    would cross two processes for nothing); a speculating request's in the same batch still do."""
+    from specd.workers.engine.types import Draft
+
+    reqs = [NewRequest("on", PROMPTS[0], SamplingParams(), 8, SpecParams(gamma=3)),
+            NewRequest("off", PROMPTS[1], SamplingParams(), 8, SpecParams(enabled=False))]
+    _, hidden = target.start(reqs, return_hidden=True)
+    assert hidden[0].shape == (len(PROMPTS[0]), HIDDEN) and hidden[1] is None
+    on, off = target.verify([Draft("on", [3, 4]), Draft("off", [])], return_hidden=True)
+    assert on.hidden.shape == (len(on.new_tokens), HIDDEN) and off.hidden is None
+    target.release(["on", "off"])
+
+
 @pytest.mark.parametrize(
     "spec", [SpecParams(gamma=4), SpecParams(gamma=6, policy="egag"), SpecParams(gamma=3, tree_width=2)]
 )
