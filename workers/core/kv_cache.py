@@ -80,6 +80,29 @@ class KVCache:
             raise ValueError(f"rollback to {new_length} but slot {slot} holds {int(self.lengths[slot])}")
         self.lengths[slot] = new_length
 
+    def compact_many(self, slots: list[int], starts: list[int], keeps: list[list[int]]) -> None:
+        """compact(slots[i], starts[i], keeps[i]) for every i, with one gather and one write for k and for v
+        (per slot: two index_selects and two writes, i.e. kernel launches on a GPU, per row of a batch)."""
+        rows, src, dst, lengths = [], [], [], []
+        for slot, start, keep in zip(slots, starts, keeps, strict=True):
+            self._check_slot(slot)
+            n = len(keep)
+            if n and (min(keep) < 0 or start + max(keep) >= self.max_seq_len):
+                raise ValueError(f"compact indices {list(keep)} out of range for start {start}")
+            if list(keep) != list(range(n)):
+                rows += [slot] * n
+                src += [start + k for k in keep]
+                dst += range(start, start + n)
+            lengths.append(start + n)
+        if rows:
+            device = self.k.device
+            at = torch.tensor(rows, device=device)
+            src_t, dst_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+            # advanced indexing gathers a copy before the write: overlapping moves are safe
+            self.k[:, at, :, dst_t] = self.k[:, at, :, src_t]
+            self.v[:, at, :, dst_t] = self.v[:, at, :, src_t]
+        self.lengths[slots] = torch.tensor(lengths, dtype=torch.long, device="cpu")
+
     def compact(self, slot: int, start: int, keep: list[int] | torch.Tensor) -> None:
         """Keep only positions start + keep[j], moved to start + j; then length = start + len(keep).
 

@@ -393,6 +393,10 @@ class ModelRunner:
         """After extend_tree at length `start`: keep nodes `node_indices` (root first, a path) as a chain."""
         self.cache.compact(slot, start, node_indices)
 
+    def keep_tree_paths(self, slots: list[int], starts: list[int], paths: list[list[int]]) -> None:
+        """keep_tree_path for several rows of one verify at once."""
+        self.cache.compact_many(slots, starts, paths)
+
     # ---- weights ----------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -280,7 +280,7 @@ class TargetWorker:
         if hidden is not None:
             n = max(1 + len(drafts[i].tokens) for i in rows)
             states = (hidden[:, :n] if len(rows) == hidden.shape[0] else hidden[rows, :n]).float().cpu()
-        results = {}
+        results, kept = {}, []       # kept: (slot, start, path) of tree rows, compacted together
         for j, i in enumerate(rows):
             d, run, top = drafts[i], runs[i], choices[j]
             if d.parents is None:
@@ -296,7 +296,7 @@ class TargetWorker:
             else:
                 path, leaf, depth = _tree_path_by_choice(d, top)
                 new_tokens = [*(d.tokens[c - 1] for c in path), top[path[-1] if path else 0]]
-                self.runner.keep_tree_path(run.slot, starts[i], [0, *path])
+                kept.append((run.slot, starts[i], [0, *path]))
                 res = VerifyResult(d.request_id, len(d.tokens), len(path), new_tokens, leaf,
                                    accepted_nodes=path, depth=depth)
             run.pending = new_tokens[-1]
@@ -305,6 +305,8 @@ class TargetWorker:
                 # the states at the root and each accepted node predicted the next token on the path
                 res.hidden = states[j, [0, *path]]
             results[i] = res
+        if kept:
+            self.runner.keep_tree_paths(*(list(x) for x in zip(*kept, strict=True)))
         return results
 
     def _verify_chains(self, rows, drafts, runs, starts, p, hidden) -> dict[int, VerifyResult]:
@@ -375,9 +377,10 @@ class TargetWorker:
         outs = verify_trees(trees, q_list, p_list, [runs[i].generator for i in rows],
                             [runs[i].sampling.is_greedy for i in rows])
         results = {}
+        self.runner.keep_tree_paths([runs[i].slot for i in rows], [starts[i] for i in rows],
+                                    [[0, *out.accepted_nodes] for out in outs])
         for i, tree, out in zip(rows, trees, outs, strict=True):
             d, run = drafts[i], runs[i]
-            self.runner.keep_tree_path(run.slot, starts[i], [0, *out.accepted_nodes])
             run.pending = out.output_tokens[-1]
             run.num_tokens += len(out.output_tokens)
             results[i] = VerifyResult(

@@ -141,3 +141,23 @@ def test_compact_out_of_range_is_refused():
     slot = cache.allocate()
     with pytest.raises(ValueError, match="out of range"):
         cache.compact(slot, MAX_LEN - 1, [0, 1])
+
+
+def test_compact_many_is_compact_of_each_slot():
+    """Several slots' paths at once (overlapping moves within a slot, a chain that moves nothing, an empty
+    path) leave the cache as one compact() per slot does."""
+    one, many = _cache(), _cache()
+    for cache in (one, many):
+        slots = [cache.allocate() for _ in range(SLOTS)]
+        for layer in range(LAYERS):
+            cache.write_runs(layer, slots, [0] * SLOTS, _kv(SLOTS, 7, 10.0 * layer),
+                             _kv(SLOTS, 7, 5.0 + layer))
+        cache.lengths[slots] = 7
+    starts, keeps = [1, 2, 3], [[0, 1, 3, 5], [0, 1, 2], []]
+    for slot, start, keep in zip(slots, starts, keeps, strict=True):
+        one.compact(slot, start, keep)
+    many.compact_many(slots, starts, keeps)
+    assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
+    assert one.lengths.tolist() == many.lengths.tolist() == [5, 5, 3]
+    with pytest.raises(ValueError, match="out of range"):
+        many.compact_many([slots[0]], [MAX_LEN - 1], [[0, 1]])
