@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,10 +24,44 @@ import psutil
 MARKER = "SPECD_TEST_POD"
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# The pods' ports come from below the kernel's ephemeral range, each handed out once. A port picked by
+# binding to 0 comes from that range, and between the pick and the pod's own bind any outgoing connection on
+# the machine may take it as its source port; a restarted container binds the same port again, so such a
+# collision lasted the whole test (a worker pod's raylet failed to start for 600 s in one CI run).
+_EPHEMERAL_LOW = _ephemeral_low()
+_next_port = random.randrange(10000, max(10001, _EPHEMERAL_LOW - 4000))
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of `count` consecutive ports that nothing holds now, below the ephemeral range, none of
+    them handed out before by this process."""
+    global _next_port
+    while True:
+        first, _next_port = _next_port, _next_port + count
+        if _next_port > _EPHEMERAL_LOW:
+            raise RuntimeError(f"no free block of {count} ports below {_EPHEMERAL_LOW}")
+        if all(_bindable(port) for port in range(first, first + count)):
+            return first
+
+
 def free_port() -> int:
+    return free_ports(1)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import json
-import random
 import re
 import shutil
 import tempfile
@@ -33,7 +32,17 @@ import pytest
 import yaml
 
 from tests.helm import kuberay
-from tests.helm.pods import Container, Pod, free_port, grpc_serving, http_ok, self_signed, tcp_ok, wait_for
+from tests.helm.pods import (
+    Container,
+    Pod,
+    free_port,
+    free_ports,
+    grpc_serving,
+    http_ok,
+    self_signed,
+    tcp_ok,
+    wait_for,
+)
 
 helm_python = pytest.importorskip("helm_python")
 pytestmark = [pytest.mark.e2e,
@@ -89,7 +98,7 @@ def ray_params(pod_root: Path, head: bool) -> dict[str, str]:
     if head:
         names += ["port", "ray-client-server-port"]
     ports = {n: str(free_port()) for n in names}
-    base = random.randrange(20000, 40000, 100)
+    base = free_ports(61)
     ports.update({"min-worker-port": str(base), "max-worker-port": str(base + 60),
                   "object-store-memory": "80000000", "temp-dir": str(pod_root / "tmp" / "ray")})
     return ports
