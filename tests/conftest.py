@@ -8,6 +8,7 @@ needs a drafter runs on a fresh machine whatever ran before it (tests/e2e runs b
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,27 @@ def make_tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hidden_llama_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with a random target-state adapter (hidden 64): a drafter that reads the target's
+    hidden states."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specd.workers.models.llama import FEATURE_PROJ, FEATURE_STALENESS
+
+    dst = tmp_path_factory.mktemp("tiny_hidden") / "drafter"
+    shutil.copytree(tiny_llama_dir, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    tensors[FEATURE_PROJ] = torch.randn(64, 64, generator=gen) * 0.3
+    tensors[FEATURE_STALENESS] = torch.randn(4, 64, generator=gen) * 0.3
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "specd_drafter.json").write_text(json.dumps({"version": "tiny-hidden"}))
+    return dst
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,18 @@ class KVCache:
             raise ValueError(f"rollback to {new_length} but slot {slot} holds {int(self.lengths[slot])}")
         self.lengths[slot] = new_length
 
+    def rollback_many(self, slots: list[int], new_lengths: list[int]) -> None:
+        """rollback(slots[i], new_lengths[i]) for every i, in one write."""
+        for slot in slots:
+            self._check_slot(slot)
+        new = torch.tensor(new_lengths, dtype=self.lengths.dtype, device=self.lengths.device)   # [b]
+        held = self.lengths[slots]                                                               # [b]
+        if bool(((new < 0) | (new > held)).any()):
+            bad = [(s, n, h) for s, n, h in zip(slots, new_lengths, held.tolist(), strict=True)
+                   if not 0 <= n <= h]
+            raise ValueError(f"rollback (slot, to, holds) beyond what is held: {bad}")
+        self.lengths[slots] = new
+
     def compact_many(self, slots: list[int], starts: list[int], keeps: list[list[int]]) -> None:
         """compact(slots[i], starts[i], keeps[i]) for every i, with one gather and one write for k and for v
         (per slot: two index_selects and two writes, i.e. kernel launches on a GPU, per row of a batch)."""

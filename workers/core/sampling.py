@@ -64,6 +64,40 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...
     return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
 
 
+def greedy_top(logits: torch.Tensor, k: int) -> torch.Tensor:  # [rows, vocab] -> [rows, k] int64
+    """The k largest logits' indices per row, best first; the first is greedy_argmax's. On the CPU by k
+    numpy argmaxes, each pick masked before the next (0.03 against torch.topk's 0.09 ms for [16, 4096],
+    k = 3); elsewhere, or where a row has fewer than k finite logits, torch.topk."""
+    k = min(k, logits.shape[-1])
+    if k == 1:
+        return greedy_argmax(logits)[..., None]
+    if logits.device.type != "cpu" or not logits.dtype.is_floating_point:
+        return torch.topk(logits, k).indices
+    left = logits.detach().float().numpy().copy()                   # [rows, vocab], picks masked out
+    at = np.arange(left.shape[0])
+    picks = []
+    for _ in range(k):
+        best = left.argmax(axis=-1)
+        if picks and np.isneginf(left[at, best]).any():
+            return torch.topk(logits, k).indices                   # a row ran out of candidates
+        picks.append(best)
+        left[at, best] = -np.inf
+    return torch.from_numpy(np.stack(picks, axis=-1))
+
+
+def pick_rows(x: torch.Tensor, rows: list[int], cols: list[int]) -> torch.Tensor:
+    """x[rows, cols] of x [b, n, ...]: [len(rows), ...]. On the CPU through numpy, whose gather is 3-5x
+    faster than torch's advanced indexing for a drafter's few dozen tree nodes (half types as their
+    16-bit patterns, which numpy can hold)."""
+    if x.device.type != "cpu":
+        return x[rows, cols]
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return torch.from_numpy(x.detach().view(torch.int16).numpy()[rows, cols]).view(x.dtype)
+    if x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.detach().numpy()[rows, cols])
+    return x[rows, cols]
+
+
 def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
     """A generator for a seeded request; None (use torch's default generator) when unseeded."""
     if seed is None:

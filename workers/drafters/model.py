@@ -31,9 +31,11 @@ from specd.workers.core.keyed import keyed_race, seeds_tensor
 from specd.workers.core.sampling import (
     SEED_RANGE,
     greedy_argmax,
+    greedy_top,
     logits_to_probs,
     make_generator,
     params_to_tensors,
+    pick_rows,
     sample,
 )
 from specd.workers.drafters.base import Drafter, DraftProposal, DraftTree, check_batch
@@ -345,14 +347,6 @@ class ModelDrafter(Drafter):
     def propose_tree(self, request_ids, depths, widths, params, policy=None, states=None) -> DraftTree:
         return self._propose_tree(request_ids, depths, widths, params)
 
-    def _tree_features(self, seq: _DraftSeq, parents: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """A hidden-state drafter's inputs for a tree's nodes, as in a chain: every node gets the newest
-        target state there is (the root's), marked as stale as the node is deep (the root: fresh)."""
-        depth = [0]
-        for parent in parents[1:]:
-            depth.append(depth[parent] + 1)
-        return seq.feed_hidden[-1:].expand(len(parents), -1), depth
-
     def _propose_tree(self, request_ids, depths, widths, params) -> DraftTree:
         """Top-`width` first tokens, each continued as a chain to `depth`: one forward per level.
 
@@ -367,23 +361,25 @@ class ModelDrafter(Drafter):
         rows = [i for i, d in enumerate(depths) if d > 0]
         trees = {i: ([seqs[i].feed[-1]], [-1]) for i in rows}           # (tokens, parents), root first
         q_child: dict[int, list[torch.Tensor | None]] = {i: [None] for i in rows}
-        self._catch_up([seqs[i] for i in rows])
+        # As in propose: eager forwards take a short feed in the first level's forward.
+        self._catch_up([seqs[i] for i in rows], short_feeds=self.runner.static is not None)
         frontier = {i: [0] for i in rows}
         for level in range(max((depths[i] for i in rows), default=0)):
             rows = [i for i in rows if level < depths[i]]
             if not rows:
                 break
             slots = [seqs[i].slot for i in rows]
-            starts = [self.runner.length(s) for s in slots]
-            extra = {}
-            if self.uses_target_hidden:
-                node_inputs = [self._tree_features(seqs[i], trees[i][1]) for i in rows]
-                extra = dict(features=[f for f, _ in node_inputs], staleness=[d for _, d in node_inputs])
-            logits = self.runner.extend_trees(
-                slots, [trees[i][0] for i in rows], [trees[i][1] for i in rows], **extra
-            )
-            for s, start in zip(slots, starts, strict=True):
-                self.runner.rollback(s, start)
+            if level == 0:
+                starts, logits = self._tree_first_level([seqs[i] for i in rows])
+            else:
+                starts = self.runner.lengths(slots)
+                # A hidden-state drafter reads, at every node, the newest target state there is (the
+                # root's), marked as stale as the node is deep, as in a chain.
+                roots = [seqs[i].feed_hidden[-1] for i in rows] if self.uses_target_hidden else None
+                logits = self.runner.extend_trees(
+                    slots, [trees[i][0] for i in rows], [trees[i][1] for i in rows], root_features=roots
+                )
+                self.runner.rollback_many(slots, starts)
             greedy: dict[int, list[tuple[int, int]]] = {}     # width -> (batch row, request) of greedy rows
             for j, i in enumerate(rows):
                 width = widths[i] if level == 0 else 1
@@ -408,28 +404,43 @@ class ModelDrafter(Drafter):
                 self._greedy_children(logits, members, width, trees, q_child, frontier)
         return self._tree_result(seqs, trees, q_child, params)
 
+    def _tree_first_level(self, seqs: list[_DraftSeq]) -> tuple[list[int], torch.Tensor]:
+        """The first level of a tree: each row's feed (the root last) in one causal forward, as a chain
+        drafts its first token. The feed before the root stays in the cache; the root does not, since the
+        levels below re-run it with its children. (start of each row's root, the root's logits
+        [b, 1, V'], indexed as node 0 of the tree.)"""
+        slots = [s.slot for s in seqs]
+        extra = {}
+        if self.uses_target_hidden:
+            extra = dict(features=[s.feed_hidden for s in seqs], staleness=[[0] * len(s.feed) for s in seqs])
+        logits = self.runner.extend(slots, [s.feed for s in seqs], **extra)     # [b, max feed, V']
+        root = pick_rows(logits, list(range(len(seqs))), [len(s.feed) - 1 for s in seqs])[:, None]
+        starts = [n - 1 for n in self.runner.lengths(slots)]
+        self.runner.rollback_many(slots, starts)
+        for s in seqs:
+            s.feed = s.feed[-1:]
+            if s.feed_hidden is not None:
+                s.feed_hidden = s.feed_hidden[-1:]
+        return starts, root
+
     def _greedy_children(self, logits, members, width, trees, q_child, frontier) -> None:
         """The top-`width` candidates of every frontier node of greedy rows `members` at once: greedy q is
         one-hot, so they are ranked by the raw logits; deterministic, one-hot q_child (None). One child
         (every level below the first) is the argmax, as a chain drafts."""
         batch_rows = [j for j, i in members for _ in frontier[i]]
         nodes = [node for _, i in members for node in frontier[i]]
-        picked = logits[batch_rows, nodes]                                       # [nodes, V']
-        if width == 1:
-            best = greedy_argmax(picked)[:, None]                                # [nodes, 1]
-        else:
-            best = torch.topk(picked, min(width, picked.shape[-1])).indices      # [nodes, w]
+        best = greedy_top(pick_rows(logits, batch_rows, nodes), width)           # [nodes, w]
         top = self._to_target_ids(best)                                          # [nodes][w]
         k = 0
         for _, i in members:
+            tokens, parents = trees[i]
             new_frontier = []
             for node in frontier[i]:
-                for tok in top[k]:
-                    trees[i][0].append(tok)
-                    trees[i][1].append(node)
-                    q_child[i].append(None)
-                    new_frontier.append(len(trees[i][0]) - 1)
+                new_frontier.extend(range(len(tokens), len(tokens) + len(top[k])))
+                tokens.extend(top[k])
+                parents.extend([node] * len(top[k]))
                 k += 1
+            q_child[i].extend([None] * (len(tokens) - len(q_child[i])))
             frontier[i] = new_frontier
 
     def _children(self, q: torch.Tensor, width: int, p, gen) -> list[tuple[int, torch.Tensor | None]]:

@@ -7,6 +7,7 @@ rejected ones with `rollback` (chains) or `keep_tree_path` (trees).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -125,6 +126,9 @@ class ModelRunner:
 
     def length(self, slot: int) -> int:
         return int(self.cache.lengths[slot])
+
+    def lengths(self, slots: list[int]) -> list[int]:
+        return self.cache.lengths[slots].tolist()
 
     # ---- forwards ---------------------------------------------------------------------------
 
@@ -327,41 +331,41 @@ class ModelRunner:
         return_hidden: bool = False,
         features: list[torch.Tensor] | None = None,
         staleness: list[list[int]] | None = None,
+        root_features: list[torch.Tensor] | torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Batched extend_tree over several slots (trees padded to the largest): [b, n_max, vocab].
 
         features[i] [len(trees_tokens[i]), hidden] and staleness[i] feed a hidden-state drafter, per node.
+        Or root_features[i] [hidden]: every node of tree i reads that one state, as stale as the node is
+        deep (a drafter drafting a tree from the newest target state).
         """
         order = self._slot_order(slots)
         if order is not None:   # rows in slot order, as in _extend
             out = self.extend_trees(_pick(slots, order), _pick(trees_tokens, order),
                                     _pick(trees_parents, order), return_hidden, _pick(features, order),
-                                    _pick(staleness, order))
+                                    _pick(staleness, order), _pick(root_features, order))
             return _unpermute(out, order, return_hidden)
         sizes = [len(t) for t in trees_tokens]
         groups = self._fitting_groups(slots, sizes)
         if groups is not None:
             def part(rows):
-                feats = None if features is None else [features[i] for i in rows]
-                stale = None if staleness is None else [staleness[i] for i in rows]
                 return self.extend_trees(
                     [slots[i] for i in rows], [trees_tokens[i] for i in rows],
-                    [trees_parents[i] for i in rows], return_hidden, feats, stale,
+                    [trees_parents[i] for i in rows], return_hidden, _pick(features, rows),
+                    _pick(staleness, rows), _pick(root_features, rows),
                 )
             return self._merge_rows(groups, [part(g) for g in groups], len(slots), return_hidden)
         n = max(sizes)
         b = len(slots)
-        # The tree layout is planned on the host in Python lists, then made tensors once.
-        host = torch.device("cpu")
-        layouts = [_tree_layout(_as_list(t), _as_list(p), n) for t, p in zip(trees_tokens, trees_parents,
-                                                                              strict=True)]
-        ids = torch.tensor([ids for ids, _, _ in layouts], dtype=torch.long, device=host)        # [b, n]
-        depth = torch.tensor([d for _, d, _ in layouts], dtype=torch.long, device=host)          # [b, n]
-        mask = torch.tensor([m for _, _, m in layouts], dtype=torch.bool, device=host)           # [b, n, n]
+        # The tree layout is planned on the host, then moved once.
+        ids, depth, mask = _tree_layout(trees_tokens, trees_parents, n)     # [b, n], [b, n], [b, n, n]
         starts = self.cache.lengths[slots]  # [b]
         feats = stale = None
         if features is not None:
             feats, stale = self._feature_inputs(features, staleness, sizes, n)
+        elif root_features is not None:
+            roots = torch.stack(list(root_features)).to(self.model.embed_tokens.dtype)    # [b, H]
+            feats, stale = roots[:, None].expand(-1, n, -1).to(self.device), depth.to(self.device)
         if self.static is not None and self.static.handles(b, n):
             logits, hidden = self.static.forward(
                 ids, depth, mask, list(slots), starts.tolist(), self.full_vocab, return_hidden, feats, stale
@@ -388,6 +392,9 @@ class ModelRunner:
 
     def rollback(self, slot: int, new_length: int) -> None:
         self.cache.rollback(slot, new_length)
+
+    def rollback_many(self, slots: list[int], new_lengths: list[int]) -> None:
+        self.cache.rollback_many(slots, new_lengths)
 
     def keep_tree_path(self, slot: int, start: int, node_indices: list[int] | torch.Tensor) -> None:
         """After extend_tree at length `start`: keep nodes `node_indices` (root first, a path) as a chain."""
@@ -416,11 +423,11 @@ def _as_list(values: list[int] | torch.Tensor) -> list[int]:
     return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
-def _tree_layout(tokens: list[int], parents: list[int], n: int
-                 ) -> tuple[list[int], list[int], list[list[bool]]]:
-    """(ids, depth, mask) of one tree padded to n nodes: node i sees its ancestors and itself, padding
-    only itself."""
-    size = len(parents)
+@functools.lru_cache(maxsize=512)
+def _tree_shape(parents: tuple[int, ...], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth [n], mask [n, n] bool) of one tree padded to n nodes: node i sees its ancestors and itself,
+    padding only itself. Cached by shape: a batch's trees, and a drafter's levels step after step, mostly
+    share a few shapes. Callers must not write into the returned tensors."""
     depth = [0] * n
     mask = [[j == i for j in range(n)] for i in range(n)]
     for i, parent in enumerate(parents):
@@ -433,7 +440,22 @@ def _tree_layout(tokens: list[int], parents: list[int], n: int
         depth[i] = depth[parent] + 1
         mask[i] = list(mask[parent])   # ancestors of the parent, then self
         mask[i][i] = True
-    return list(tokens[:size]) + [0] * (n - size), depth, mask
+    host = torch.device("cpu")
+    return (torch.tensor(depth, dtype=torch.long, device=host),
+            torch.tensor(mask, dtype=torch.bool, device=host))
+
+
+def _tree_layout(trees_tokens: list, trees_parents: list, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [b, n], depth [b, n], mask [b, n, n]) of a batch of trees padded to n nodes, on the host."""
+    ids, depths, masks = [], [], []
+    for tokens, parents in zip(trees_tokens, trees_parents, strict=True):
+        tokens, parents = _as_list(tokens), tuple(_as_list(parents))
+        ids.append(tokens[: len(parents)] + [0] * (n - len(parents)))
+        depth, mask = _tree_shape(parents, n)
+        depths.append(depth)
+        masks.append(mask)
+    return torch.tensor(ids, dtype=torch.long, device="cpu"), torch.stack(depths), torch.stack(masks)
 
 
 def _pick(rows: list | None, order: list[int]) -> list | None:

@@ -69,6 +69,21 @@ def test_rollback_moves_the_pointer_only():
         cache.rollback(slot, -1)
 
 
+def test_rollback_many_is_rollback_of_each_slot():
+    cache = _cache()
+    slots = [cache.allocate() for _ in range(2)]
+    cache.lengths[slots] = torch.tensor([5, 3])
+    before = cache.k.clone()
+    cache.rollback_many(slots, [2, 3])
+    assert cache.lengths[slots].tolist() == [2, 3] and torch.equal(cache.k, before)
+    with pytest.raises(ValueError, match="rollback"):
+        cache.rollback_many(slots, [1, 4])       # cannot roll forward
+    assert cache.lengths[slots].tolist() == [2, 3]            # nothing written on a refusal
+    cache.free(slots[1])
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.rollback_many(slots, [1, 1])
+
+
 def test_write_runs_matches_general_write():
     a, b = _cache(), _cache()
     for cache in (a, b):

@@ -209,3 +209,34 @@ def test_greedy_argmax_equals_torch_argmax_ties_nan_and_views_included():
     for t in cases:
         got = greedy_argmax(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1)), t.shape
+
+
+def test_greedy_top_is_topk_best_first_with_argmax_first():
+    from specd.workers.core.sampling import greedy_argmax, greedy_top
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 97, generator=g)
+    x[0, 10] = x[0, 40] = x[0].max() + 1                     # a tie at the top: the first index first
+    for t in (x, x.bfloat16(), x.half(), x.double()):
+        for k in (1, 2, 3, 5):
+            got = greedy_top(t, k)
+            assert got.shape == (6, k) and got.dtype == torch.int64
+            assert torch.equal(got[:, 0], greedy_argmax(t))
+            # the same set and values, best first, as torch.topk
+            assert torch.equal(t.gather(-1, got), torch.topk(t, k).values)
+            assert all(len(set(row)) == k for row in got.tolist())
+    assert greedy_top(x, 3)[0, :2].tolist() == [10, 40]
+    short = torch.full((2, 8), float("-inf"))
+    short[:, 3] = 1.0                                       # fewer than k finite logits: torch.topk's
+    assert torch.equal(greedy_top(short, 2), torch.topk(short, 2).indices)
+
+
+def test_pick_rows_is_advanced_indexing():
+    from specd.workers.core.sampling import pick_rows
+
+    x = torch.randn(4, 5, 33, generator=torch.Generator().manual_seed(2))
+    rows, cols = [0, 0, 3, 2], [4, 1, 1, 0]
+    for t in (x, x.bfloat16(), x.half(), x.double(), x[:, 1:4], x.int()):
+        cut = [c % t.shape[1] for c in cols]
+        got = pick_rows(t, rows, cut)
+        assert got.dtype == t.dtype and torch.equal(got, t[rows, cut])

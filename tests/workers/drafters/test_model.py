@@ -89,3 +89,42 @@ def test_a_versions_own_held_out_acceptance_wins_over_its_bootstrap_record():
     assert held_out_acceptance({**boot, "held_out_acceptance": 0.25}) == 0.25   # an online version's gate
     assert held_out_acceptance({}) is None
     assert held_out_acceptance({"held_out_acceptance": 1.5}) is None            # not a probability
+
+
+@pytest.mark.parametrize("reads_hidden", [False, True], ids=["tokens", "hidden-states"])
+def test_a_tree_takes_a_short_feed_in_its_first_level(tiny_llama_dir, tiny_hidden_llama_dir, reads_hidden,
+                                                      monkeypatch):
+    """A tree's first level takes the feed in with its root (one drafter forward a step fewer): the same
+    trees as a catch-up prefill then the root alone, step after step, and no catch-up prefill."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+
+    def states(n):
+        return {"hidden": torch.randn(n, 64, generator=gen)} if reads_hidden else {}
+
+    trees = {}
+    for merged in (True, False):
+        gen.manual_seed(0)
+        drafter = ModelDrafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, max_slots=2,
+                               max_seq_len=64, pack="none")
+        assert drafter.uses_target_hidden == reads_hidden
+        if not merged:
+            catch_up = drafter._catch_up
+            monkeypatch.setattr(drafter, "_catch_up", lambda seqs, short_feeds=True, f=catch_up: f(seqs))
+        prefills = _count_calls(drafter.runner, "prefill", monkeypatch)
+        out = []
+        for rid, prompt in (("a", [3, 4, 5, 9]), ("b", [7, 8])):
+            drafter.add_request(rid, prompt, seed=0, **states(len(prompt) - 1))
+        for step in range(4):
+            tree = drafter.propose_tree(["a", "b"], [3, 2], [2, 3], [SamplingParams()] * 2)
+            out.append((tree.tokens, tree.parents))
+            for rid, toks, parents in zip(["a", "b"], tree.tokens, tree.parents, strict=True):
+                # accepted: the first child of the root, then (odd steps) its first child; a target token
+                path = [1] + ([parents.index(1) + 1] if step % 2 else [])
+                accepted = [toks[node - 1] for node in path]
+                drafter.commit(rid, len(path), [*accepted, 11 + step], **states(len(path) + 1))
+        trees[merged] = (out, len(prefills))
+    assert trees[True][0] == trees[False][0]
+    assert all(len(tokens[0]) == 2 + 2 + 2 and len(tokens[1]) == 3 + 3 for (tokens, _) in trees[True][0])
+    assert trees[True][1] == 0 and trees[False][1] > 0

@@ -176,3 +176,33 @@ def test_real_smollm2_greedy_decode_matches_transformers(target_model_dir):
         with torch.no_grad():
             ref = hf(torch.tensor([p + o])).logits[0]  # teacher-forced: greedy agrees iff argmax == o
         assert ref[len(p) - 1 : -1].argmax(-1).tolist() == o
+
+
+def test_tree_nodes_read_their_roots_state_stale_by_depth(tiny_hidden_llama_dir):
+    """root_features: every node of a tree reads its row's one state, staleness its depth; the same
+    logits as that state given per node. A tree shape seen before (its layout is cached) too."""
+    runner = ModelRunner(tiny_hidden_llama_dir, max_slots=2, max_seq_len=64)
+    slots = [runner.allocate(), runner.allocate()]
+    gen = torch.Generator().manual_seed(4)
+    runner.prefill(slots, [[1, 2], [3, 4, 5]], features=[torch.randn(2, 64, generator=gen),
+                                                          torch.randn(3, 64, generator=gen)])
+    trees = [([7, 8, 9, 10], [-1, 0, 0, 1]), ([11, 12], [-1, 0])]
+    roots = torch.randn(2, 64, generator=gen)
+    starts = runner.lengths(slots)
+    outs = []
+    for _ in range(2):
+        outs.append(runner.extend_trees(slots, [t for t, _ in trees], [p for _, p in trees],
+                                        root_features=roots))
+        runner.rollback_many(slots, starts)
+    per_node = runner.extend_trees(slots, [t for t, _ in trees], [p for _, p in trees],
+                                   features=[roots[0].expand(4, -1), roots[1].expand(2, -1)],
+                                   staleness=[[0, 1, 1, 2], [0, 1]])
+    for out in outs:
+        for row, (tokens, _) in enumerate(trees):
+            n = len(tokens)
+            torch.testing.assert_close(out[row, :n], per_node[row, :n], atol=ATOL, rtol=0)
+    runner.rollback_many(slots, starts)
+    with pytest.raises(ValueError, match="parent"):
+        runner.extend_trees(slots, [[1, 2, 3], [4, 5]], [[-1, 2, 0], [-1, 0]])
+    with pytest.raises(ValueError, match="parent"):     # refused again: a refusal is not cached
+        runner.extend_trees(slots, [[1, 2, 3], [4, 5]], [[-1, 2, 0], [-1, 0]])
