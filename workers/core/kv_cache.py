@@ -81,16 +81,16 @@ class KVCache:
         self.lengths[slot] = new_length
 
     def rollback_many(self, slots: list[int], new_lengths: list[int]) -> None:
-        """rollback(slots[i], new_lengths[i]) for every i, in one write."""
-        for slot in slots:
+        """rollback(slots[i], new_lengths[i]) for every i, checked first, then written in one go."""
+        held = self.lengths.tolist()
+        for slot, new_length in zip(slots, new_lengths, strict=True):
             self._check_slot(slot)
-        new = torch.tensor(new_lengths, dtype=self.lengths.dtype, device=self.lengths.device)   # [b]
-        held = self.lengths[slots]                                                               # [b]
-        if bool(((new < 0) | (new > held)).any()):
-            bad = [(s, n, h) for s, n, h in zip(slots, new_lengths, held.tolist(), strict=True)
-                   if not 0 <= n <= h]
-            raise ValueError(f"rollback (slot, to, holds) beyond what is held: {bad}")
-        self.lengths[slots] = new
+            if not 0 <= new_length <= held[slot]:
+                raise ValueError(f"rollback to {new_length} but slot {slot} holds {held[slot]}")
+        if len(slots) == 1:
+            self.lengths[slots[0]] = new_lengths[0]
+        else:
+            self.lengths[slots] = torch.tensor(new_lengths, dtype=self.lengths.dtype, device="cpu")
 
     def compact_many(self, slots: list[int], starts: list[int], keeps: list[list[int]]) -> None:
         """compact(slots[i], starts[i], keeps[i]) for every i, with one gather and one write for k and for v
