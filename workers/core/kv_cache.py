@@ -73,6 +73,11 @@ class KVCache:
         self.lengths[slot] = 0
         heapq.heappush(self._free, slot)
 
+    def lengths_of(self, slots: list[int]) -> list[int]:
+        """Committed lengths of `slots`: read as one list (indexing the tensor by a list costs 10x)."""
+        held = self.lengths.tolist()
+        return [held[s] for s in slots]
+
     def rollback(self, slot: int, new_length: int) -> None:
         """Forget everything at positions >= new_length (e.g. rejected draft tokens)."""
         self._check_slot(slot)

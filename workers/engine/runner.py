@@ -128,7 +128,7 @@ class ModelRunner:
         return int(self.cache.lengths[slot])
 
     def lengths(self, slots: list[int]) -> list[int]:
-        return self.cache.lengths[slots].tolist()
+        return self.cache.lengths_of(slots)
 
     # ---- forwards ---------------------------------------------------------------------------
 
@@ -244,7 +244,7 @@ class ModelRunner:
         forward of their own width. Only a row whose own tokens do not fit raises CacheFullError.
         """
         cap = self.cache.max_seq_len
-        starts = self.cache.lengths[slots].tolist()
+        starts = self.cache.lengths_of(slots)
         if max(starts) + max(counts) <= cap:
             return None
         for start, count in zip(starts, counts, strict=True):

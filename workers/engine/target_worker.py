@@ -25,6 +25,7 @@ from specd.workers.core.sampling import (
     logits_to_probs,
     make_generator,
     params_to_tensors,
+    pick_rows,
     sample,
 )
 from specd.workers.core.tree import TokenTree
@@ -192,7 +193,7 @@ class TargetWorker:
             raise KeyError(f"verify for requests that are not running: {unknown}")
         runs = [self.running[d.request_id] for d in drafts]
         slots = [r.slot for r in runs]
-        starts = [self.runner.length(s) for s in slots]
+        starts = self.runner.lengths(slots)
         drafts = [d if d.parents is None else _fit_tree(d, self.runner.max_seq_len - start - 1)
                   for d, start in zip(drafts, starts, strict=True)]
         inputs = [[r.pending, *d.tokens] for r, d in zip(runs, drafts, strict=True)]
@@ -281,6 +282,7 @@ class TargetWorker:
             n = max(1 + len(drafts[i].tokens) for i in rows)
             states = (hidden[:, :n] if len(rows) == hidden.shape[0] else hidden[rows, :n]).float().cpu()
         results, kept = {}, []       # kept: (slot, start, path) of tree rows, compacted together
+        read_rows, read_nodes = [], []   # the states each result carries, gathered at once
         for j, i in enumerate(rows):
             d, run, top = drafts[i], runs[i], choices[j]
             if d.parents is None:
@@ -301,10 +303,14 @@ class TargetWorker:
                                    accepted_nodes=path, depth=depth)
             run.pending = new_tokens[-1]
             run.num_tokens += len(new_tokens)
-            if states is not None:
-                # the states at the root and each accepted node predicted the next token on the path
-                res.hidden = states[j, [0, *path]]
+            # the states at the root and each accepted node predicted the next token on the path
+            read_rows += [j] * (1 + len(path))
+            read_nodes += [0, *path]
             results[i] = res
+        if states is not None:
+            parts = pick_rows(states, read_rows, read_nodes).split([len(results[i].new_tokens) for i in rows])
+            for i, part in zip(rows, parts, strict=True):
+                results[i].hidden = part
         if kept:
             self.runner.keep_tree_paths(*(list(x) for x in zip(*kept, strict=True)))
         return results

@@ -135,7 +135,7 @@ class Llama(nn.Module):
         """
         b, n = input_ids.shape
         slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-        starts = cache.lengths[slot_list].tolist()
+        starts = cache.lengths_of(slot_list)
         cache.check_capacity(starts, n)
         plan = BatchPlan.make(slot_list, starts, n, counts, input_ids.device)
         mask = self._attention_mask(starts, n, max(starts) + n, attn_mask, input_ids.device)
