@@ -165,6 +165,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
             phases["propose"].append(propose)
             phases["verify"].append(verify)
             phases["rest"].append(took - plan - propose - verify)
+        gpu = gpu_busy(run, forwards, target)
     finally:
         run_sync(engine.step.release(list(run.running)))
         del target.verify
@@ -173,10 +174,42 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
     if profiler is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
         profiler.dump_stats(str(profile_dir / f"{forwards}-{system}-b{batch}.pstats"))
-    return {"system": system, "batch": batch, "where": "in-process", "host_ms_per_step": median_ms(totals),
+    return {**gpu, "system": system, "batch": batch, "where": "in-process",
+            "host_ms_per_step": median_ms(totals),
             "wall_ms_per_step": median_ms(walls), "clock": "process CPU time",
             "phases_ms": {k: median_ms(v) for k, v in phases.items()}, "steps": len(totals),
             "tokens_per_step": round(tokens / max(len(totals), 1), 3)}
+
+
+GPU_STEPS = 8
+
+
+def gpu_busy(run, forwards: str, target) -> dict[str, Any]:
+    """On CUDA with the real model: how much of a step the GPU is busy, from the kernels' own times
+    (torch.profiler; CUDA graph replays included) over `GPU_STEPS` more steps, beside their wall time.
+    Busy time well under wall time means the host, not the GPU, sets the step's pace."""
+    import torch
+
+    if forwards != "real" or not str(getattr(target, "device", "cpu")).startswith("cuda"):
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            steps = 0
+            while steps < GPU_STEPS and not run.done:
+                run.advance()
+                steps += 1
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        busy_us = sum(e.device_time_total for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA)
+    except RuntimeError as err:      # a profiler that cannot start (no CUPTI) leaves the row without
+        return {"gpu_busy_error": str(err)[:200]}
+    return {"gpu_busy_ms_per_step": round(busy_us / 1000 / max(steps, 1), 4),
+            "gpu_wall_ms_per_step": round(1000 * wall / max(steps, 1), 4), "gpu_steps": steps}
 
 
 def build_in_process(cfg, free: bool) -> tuple[Any, dict]:
@@ -236,7 +269,9 @@ def _line(row: dict[str, Any]) -> str:
     return (f"{row['forwards']:4s} {row['where']:10s} {row['system']:11s} batch {row['batch']:2d}: "
             f"{row['host_ms_per_step']:8.3f} ms/step (plan {p.get('plan', 0.0):.3f}, "
             f"propose {p['propose']:.3f}, verify {p['verify']:.3f}, "
-            f"rest {p['rest']:.3f}), {row['tokens_per_step']:.2f} tokens/step, load {row['load_average'][0]}")
+            f"rest {p['rest']:.3f}), {row['tokens_per_step']:.2f} tokens/step, load {row['load_average'][0]}"
+            + (f", GPU busy {row['gpu_busy_ms_per_step']:.3f} of {row['gpu_wall_ms_per_step']:.3f} ms"
+               if "gpu_busy_ms_per_step" in row else ""))
 
 
 def write_overhead_plot(path: Path, rows: list[dict[str, Any]]) -> Path:
