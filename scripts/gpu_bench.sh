@@ -122,6 +122,8 @@ run() {
     install_stage "${1:-/root/stage}"
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     mkdir -p "$RESULTS"
+    # $OUT takes at most 8 files: copy back only what this run writes, not the committed results
+    touch /tmp/stage/run-start
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RESULTS/gpu-device.txt"
     local common=(--workloads gsm8k --temperatures 0 --num-prompts "$PROMPTS" --max-new-tokens "$TOKENS")
     # SPECD_GPU_OVERRIDES: more config overrides for every phase, e.g. drafter.path=... for a drafter
@@ -162,7 +164,9 @@ run() {
                     "${cuda[@]}" replay.enabled=false trainer.enabled=false ;;
             *) echo "unknown phase $ph" ;;
         esac
-        if [ -n "${OUT:-}" ]; then cp "$RESULTS"/gpu-* "$OUT"/ 2>/dev/null || true; fi
+        if [ -n "${OUT:-}" ]; then
+            find "$RESULTS" -maxdepth 1 -name 'gpu-*' -newer /tmp/stage/run-start -exec cp {} "$OUT"/ \;
+        fi
     done
 }
 

@@ -229,6 +229,21 @@ def overhead(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def overhead_gpu(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """The real-model cells of `specd bench overhead` on CUDA: the step's wall time beside the GPU's busy
+    time (the kernels' own times, profiled over a few more steps)."""
+    lines = ["| system | batch | wall ms/step | GPU busy ms/step | GPU busy share | tokens/step |",
+             "|---|---|---|---|---|---|"]
+    for name in files:
+        for r in _load(root, name)["rows"]:
+            if "gpu_busy_ms_per_step" not in r or not _keep(r, where):
+                continue
+            busy, wall = r["gpu_busy_ms_per_step"], r["wall_ms_per_step"]
+            lines.append(f"| {r['system']} | {r['batch']} | {wall:.2f} | {busy:.2f} | {busy / wall:.0%} | "
+                         f"{r['tokens_per_step']:.2f} |")
+    return "\n".join(lines)
+
+
 def overhead_ab(root: Path, files: list[str], where: dict[str, str]) -> str:
     """Two sets of `specd bench overhead` runs of the same cells, interleaved on one machine: the files
     whose name holds "-before-" or "-pre-" against the others. Per cell the median of each set's runs,
@@ -279,7 +294,7 @@ def serve_vllm(root: Path, files: list[str], where: dict[str, str]) -> str:
 
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
          "osd-arms": osd_arms, "soak": soak, "overhead": overhead, "overhead-ab": overhead_ab,
-         "serve-vllm": serve_vllm}
+         "overhead-gpu": overhead_gpu, "serve-vllm": serve_vllm}
 
 
 def sources(spec: str) -> list[str]:

@@ -46,6 +46,23 @@ def test_in_process_cells_report_every_system(tmp_path):
     assert by[("chain", 1)]["phases_ms"]["plan"] > 0 and by[("target-only", 1)]["phases_ms"]["plan"] == 0
     assert len(data["meta"]["load_average_start"]) == 3
     assert (tmp_path / "overhead.png").stat().st_size > 0
+    # the GPU's busy time is profiled on CUDA with the real model only: no such keys here
+    assert not any(key.startswith("gpu_") for row in rows for key in row)
+
+
+def test_gpu_busy_profiles_only_real_forwards_on_cuda():
+    class Run:
+        done = False
+
+        def advance(self):
+            raise AssertionError("no step is profiled off CUDA")
+
+    class Target:
+        device = "cpu"
+
+    assert overhead.gpu_busy(Run(), "real", Target()) == {}
+    Target.device = "cuda"
+    assert overhead.gpu_busy(Run(), "free", Target()) == {}
 
 
 def test_router_cells_run_through_ray_actors(tmp_path):
