@@ -136,11 +136,20 @@ class FreeForward:
 
 
 def free_runner(runner) -> FreeForward:
-    """Replace a ModelRunner's forward by a FreeForward (eager decode only: the static path has its own)."""
+    """Replace a ModelRunner's forward by a FreeForward. With decode=static (the GPU path's logic, run
+    eagerly) the static decoder's padded forward answers at once too, so its bucketing, input staging and
+    output copies are what is measured."""
+    if runner.static is not None and runner.static.capture:
+        raise ValueError("free forwards cannot be captured as CUDA graphs: run with decode=eager or static")
+    forward = runner._forward = FreeForward(runner.model)
     if runner.static is not None:
-        raise ValueError("free forwards replace the eager forward: run with decode=eager")
-    runner._forward = FreeForward(runner.model)
-    return runner._forward
+        def run(bufs, kv_len, full_vocab, return_hidden):   # [bb, nb, vocab] (and [bb, nb, hidden])
+            forward.calls += 1
+            bb, nb = bufs["ids"].shape
+            logits = forward._row(full_vocab).expand(bb, nb, -1)
+            return (logits, forward._hidden.expand(bb, nb, -1)) if return_hidden else (logits,)
+        runner.static._run = run
+    return forward
 
 
 class FreeTargetWorker(TargetWorker):

@@ -275,7 +275,7 @@ class ModelDrafter(Drafter):
         # Eager forwards take a short feed (the previous step's accepted drafts and target token) in the
         # forward that drafts the first token: one drafter forward a step fewer. The static decoder (CUDA
         # graphs per shape bucket) keeps the separate catch-up: not yet measured on a GPU.
-        self._catch_up([seqs[i] for i in active], short_feeds=self.runner.static is not None)
+        self._catch_up([seqs[i] for i in active], short_feeds=False)
         # absolute position of each row's first draft (the cache holds everything before the feed)
         first_at = {i: self.runner.length(seqs[i].slot) + len(seqs[i].feed) for i in active}
         inputs = {i: seqs[i].feed for i in active}
@@ -362,7 +362,7 @@ class ModelDrafter(Drafter):
         trees = {i: ([seqs[i].feed[-1]], [-1]) for i in rows}           # (tokens, parents), root first
         q_child: dict[int, list[torch.Tensor | None]] = {i: [None] for i in rows}
         # As in propose: eager forwards take a short feed in the first level's forward.
-        self._catch_up([seqs[i] for i in rows], short_feeds=self.runner.static is not None)
+        self._catch_up([seqs[i] for i in rows], short_feeds=False)
         frontier = {i: [0] for i in rows}
         for level in range(max((depths[i] for i in rows), default=0)):
             rows = [i for i in rows if level < depths[i]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -220,6 +221,7 @@ class ModelRunner:
         feats = stale = None
         if features is not None:
             feats, stale = self._feature_inputs(features, staleness, counts, n)
+            stale = stale.to(self.device)
         out = self._forward(
             ids, positions, slots, self.cache, logit_index=logit_index, full_vocab=self.full_vocab,
             features=feats, staleness=stale, return_hidden=return_hidden,
@@ -272,10 +274,10 @@ class ModelRunner:
 
     def _extend_static(self, slots, tokens, counts, n, starts, features, staleness, return_hidden):
         """_extend through the static decoder: a causal chain per row."""
-        host = torch.device("cpu")
-        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], device=host)  # [b, n]
-        depth = torch.arange(n, device=host).repeat(len(slots), 1)  # [b, n]
-        causal = torch.ones(n, n, dtype=torch.bool, device=host).tril().repeat(len(slots), 1, 1)
+        b = len(slots)
+        ids = np.array([t + [0] * (n - len(t)) for t in tokens], dtype=np.int64)   # [b, n]
+        depth = np.broadcast_to(np.arange(n), (b, n))                               # [b, n]
+        causal = np.broadcast_to(np.tri(n, dtype=bool), (b, n, n))                  # [b, n, n]
         feats = stale = None
         if features is not None:
             feats, stale = self._feature_inputs(features, staleness, counts, n)
@@ -286,7 +288,8 @@ class ModelRunner:
         return (logits, hidden) if return_hidden else logits
 
     def _feature_inputs(self, features, staleness, counts, n):
-        """Right-padded [b, n, hidden] features and [b, n] staleness (0 = fresh) on the device."""
+        """Right-padded [b, n, hidden] features on the device and [b, n] staleness (0 = fresh) on the host
+        (the static decoder stages it with its other integer inputs)."""
         width = self.model.cfg.hidden_size
         for i, c in enumerate(counts):
             if features[i].shape != (c, width):
@@ -301,7 +304,7 @@ class ModelRunner:
             stale = torch.zeros(len(counts), n, dtype=torch.long)
         else:
             stale = torch.tensor([_as_list(s) + [0] * (n - len(s)) for s in staleness], dtype=torch.long)
-        return feats.to(self.device), stale.to(self.device)
+        return feats.to(self.device), stale
 
     @torch.inference_mode()
     def extend_tree(
@@ -365,7 +368,7 @@ class ModelRunner:
             feats, stale = self._feature_inputs(features, staleness, sizes, n)
         elif root_features is not None:
             roots = torch.stack(list(root_features)).to(self.model.embed_tokens.dtype)    # [b, H]
-            feats, stale = roots[:, None].expand(-1, n, -1).to(self.device), depth.to(self.device)
+            feats, stale = roots[:, None].expand(-1, n, -1).to(self.device), depth
         if self.static is not None and self.static.handles(b, n):
             logits, hidden = self.static.forward(
                 ids, depth, mask, list(slots), starts.tolist(), self.full_vocab, return_hidden, feats, stale
@@ -381,7 +384,7 @@ class ModelRunner:
             attn_mask=mask.to(self.device),
             full_vocab=self.full_vocab,
             features=feats,
-            staleness=stale,
+            staleness=None if stale is None else stale.to(self.device),
             return_hidden=return_hidden,
             counts=sizes if self._ragged else None,
         )

@@ -54,12 +54,15 @@ def _count_calls(obj, name: str, monkeypatch) -> list[int]:
     return calls
 
 
-def test_a_short_feed_drafts_in_its_own_forward_what_a_catch_up_first_drafts(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_short_feed_drafts_in_its_own_forward_what_a_catch_up_first_drafts(tiny_llama_dir, decode,
+                                                                             monkeypatch):
     """Taking the feed in with the first drafting forward (one forward less a step) drafts the tokens that
-    a catch-up prefill then a one-token forward draft, step after step."""
+    a catch-up prefill then a one-token forward draft, step after step. On the static (CUDA-graph) path
+    too, where the catch-up is an eager prefill, not a graph."""
     drafts = {}
     for merged in (True, False):
-        drafter = ModelDrafter(tiny_llama_dir, max_slots=2, max_seq_len=64, pack="none")
+        drafter = ModelDrafter(tiny_llama_dir, max_slots=2, max_seq_len=64, pack="none", decode=decode)
         if not merged:
             catch_up = drafter._catch_up
             monkeypatch.setattr(drafter, "_catch_up", lambda seqs, short_feeds=True, f=catch_up: f(seqs))
@@ -91,9 +94,10 @@ def test_a_versions_own_held_out_acceptance_wins_over_its_bootstrap_record():
     assert held_out_acceptance({"held_out_acceptance": 1.5}) is None            # not a probability
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("reads_hidden", [False, True], ids=["tokens", "hidden-states"])
 def test_a_tree_takes_a_short_feed_in_its_first_level(tiny_llama_dir, tiny_hidden_llama_dir, reads_hidden,
-                                                      monkeypatch):
+                                                      decode, monkeypatch):
     """A tree's first level takes the feed in with its root (one drafter forward a step fewer): the same
     trees as a catch-up prefill then the root alone, step after step, and no catch-up prefill."""
     import torch
@@ -107,7 +111,7 @@ def test_a_tree_takes_a_short_feed_in_its_first_level(tiny_llama_dir, tiny_hidde
     for merged in (True, False):
         gen.manual_seed(0)
         drafter = ModelDrafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, max_slots=2,
-                               max_seq_len=64, pack="none")
+                               max_seq_len=64, pack="none", decode=decode)
         assert drafter.uses_target_hidden == reads_hidden
         if not merged:
             catch_up = drafter._catch_up

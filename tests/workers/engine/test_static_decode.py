@@ -54,6 +54,30 @@ def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_t
     assert set(static.static.graphs) == {(2, 4, 64, True, False, False), (1, 4, 64, True, False, False)}
 
 
+def test_inputs_are_padded_into_one_packed_buffer(tiny_target_dir) -> None:
+    """One forward's inputs, b = 1 row of n = 3 tokens in a 2 x 4 bucket: the real ones where they belong,
+    padded tokens at their own depth seeing only themselves, padding written to the scratch slot."""
+    runner = ModelRunner(tiny_target_dir, max_slots=3, max_seq_len=64, decode="static")
+    slot = runner.allocate()
+    runner.prefill([slot], [[5, 6, 7, 8, 9]])
+    runner.extend([slot, runner.allocate()], [[1, 2, 3], [4]])     # the (2, 4) bucket
+    graph = next(g for key, g in runner.static.graphs.items() if key[:2] == (2, 4))
+    scratch = runner.cache.scratch
+    with torch.inference_mode():     # as the runner calls it
+        runner.static._fill(graph, torch.tensor([[21, 22, 23]]), torch.tensor([[0, 1, 1]]),
+                            torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool), [slot], [5],
+                            None, None)
+    inputs = {k: v.tolist() for k, v in graph.inputs.items() if k not in ("packed", "host")}
+    assert inputs["ids"] == [[21, 22, 23, 0], [0, 0, 0, 0]]
+    assert inputs["depth"] == [[0, 1, 1, 3], [0, 1, 2, 3]]
+    assert inputs["tree"] == [[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]],
+                              [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]]
+    assert inputs["slots"] == [slot, scratch] and inputs["starts"] == [5, 0]
+    assert inputs["write_slot"] == [[slot, slot, slot, scratch], [scratch] * 4]
+    assert inputs["write_pos"] == [[5, 6, 7, 3], [0, 1, 2, 3]]
+    assert graph.inputs["packed"].tolist() == graph.inputs["host"].tolist()   # copied in one piece
+
+
 def test_graph_mode_needs_cuda(tiny_target_dir) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: capture is exercised by test_cuda_graphs_match_eager")
