@@ -50,6 +50,18 @@ def test_in_process_cells_report_every_system(tmp_path):
     assert not any(key.startswith("gpu_") for row in rows for key in row)
 
 
+def test_the_static_decode_path_runs_on_free_forwards(tmp_path):
+    """decode=static (the GPU path's logic, uncaptured): the static decoder's padded forward is free too,
+    and a chain still emits every drafted token and a bonus."""
+    out = tmp_path / "static.json"
+    rc = overhead.main(["--where", "in-process", "--systems", "target-only,chain", "--batch-sizes", "2",
+                        "--steps", "3", "--warmup", "1", "--json", str(out),
+                        "target.decode=static", "drafter.decode=static"])
+    assert rc == 0
+    by = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert by["chain"]["tokens_per_step"] == 8 and by["target-only"]["tokens_per_step"] == 2
+
+
 def test_gpu_busy_profiles_only_real_forwards_on_cuda():
     class Run:
         done = False
