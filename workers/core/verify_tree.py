@@ -53,19 +53,29 @@ class TreeBatchVerifyOutput:
     num_accepted: torch.Tensor  # [batch] long
     is_bonus: torch.Tensor  # [batch] bool
 
-    def row(self, b: int) -> TreeVerifyOutput:
-        n = int(self.num_accepted[b])
-        return TreeVerifyOutput(
-            accepted_nodes=self.accepted_nodes[b, :n].tolist(),
-            output_tokens=self.output_tokens[b, : n + 1].tolist(),
-            is_bonus=bool(self.is_bonus[b]),
-        )
+    def rows(self) -> list[TreeVerifyOutput]:
+        """Every row, read from the device in one copy (on a GPU each read is a synchronisation)."""
+        depth = self.accepted_nodes.shape[1]
+        packed = torch.cat([self.accepted_nodes, self.output_tokens, self.num_accepted[:, None],
+                            self.is_bonus[:, None].long()], dim=1).tolist()   # [batch, 2 depth + 3]
+        out = []
+        for row in packed:
+            n = row[-2]
+            out.append(TreeVerifyOutput(accepted_nodes=row[:n], output_tokens=row[depth : depth + n + 1],
+                                        is_bonus=bool(row[-1])))
+        return out
+
+
+def host_reads_are_cheap(device: torch.device) -> bool:
+    """Whether reading a flag back from `device` costs no synchronisation (the CPU)."""
+    return device.type == "cpu"
 
 
 def children_table(
     parents: torch.Tensor,  # [batch, n] long, -1 for the root and for padding
     num_nodes: torch.Tensor,  # [batch] long
 ) -> torch.Tensor:  # [batch, n, max_children] long: children[b, i, s] = s-th child of node i, or -1
+    """On the device parents are on; the walk builds it on the host, where the trees' shapes are known."""
     batch, n = parents.shape
     index = torch.arange(n, device=parents.device)
     is_child = (index[None, :] > 0) & (index[None, :] < num_nodes[:, None])  # [batch, n]
@@ -92,17 +102,26 @@ def verify_tree_batch(
     batch, n, vocab = target_probs.shape
     device = target_probs.device
     rows = torch.arange(batch, device=device)
-    children = children_table(parents, num_nodes)  # [batch, n, max_children]
+    # The trees' shape is planned on the host (a no-op copy when the caller's trees are there already),
+    # so no loop bound below is read back from the device.
+    host_parents, host_nodes = parents.cpu(), num_nodes.cpu()
+    children = children_table(host_parents, host_nodes)  # [batch, n, max_children]
     max_children = children.shape[-1]
-
+    children = children.to(device)
     # Depth of each node bounds the number of levels to walk.
-    depth = torch.zeros(batch, n, dtype=torch.long, device=device)
+    host_rows = torch.arange(batch)
+    depth = torch.zeros(batch, n, dtype=torch.long)
     for i in range(1, n):
-        depth[:, i] = depth[rows, parents[:, i].clamp_min(0)] + 1
-    real = torch.arange(n, device=device)[None, :] < num_nodes[:, None]
+        depth[:, i] = depth[host_rows, host_parents[:, i].clamp_min(0)] + 1
+    real = torch.arange(n)[None, :] < host_nodes[:, None]
     max_depth = int(depth[real].max())
+    # On the CPU a walk stops as soon as no row has work left; on a GPU reading that back would cost a
+    # synchronisation per slot and level, and the remaining iterations change nothing (no row tries a
+    # child, none stops), so it runs them.
+    early_exit = host_reads_are_cheap(device)
+    tokens = tokens.to(device)
 
-    u = uniform_noise(generators, num_nodes.tolist(), n, device, greedy)  # [batch, n]: u[b, c] tests child c
+    u = uniform_noise(generators, host_nodes.tolist(), n, device, greedy)  # [batch, n]: u[b, c] tests child c
     exp_noise = exponential_noise(generators, vocab, device, greedy)  # [batch, vocab]: samples the last token
 
     node = torch.zeros(batch, dtype=torch.long, device=device)  # current node of each row
@@ -118,7 +137,7 @@ def verify_tree_batch(
         for slot in range(max_children):
             child = children[rows, node, slot]  # [batch], -1 when the node has no such child
             trying = searching & (chosen < 0) & (child >= 0)
-            if not bool(trying.any()):
+            if early_exit and not bool(trying.any()):
                 break  # slots are filled in order, so no row has a later one either
             safe_child = child.clamp_min(0)
             x = torch.where(trying, tokens[rows, safe_child], 0)  # [batch] drafted token of the child
@@ -147,7 +166,7 @@ def verify_tree_batch(
         searching = moved
         node = torch.where(moved, chosen, node)
         p = torch.where(moved[:, None], target_probs[rows, node].to(p.dtype), p)
-        if not bool(searching.any()):
+        if early_exit and not bool(searching.any()):
             break
 
     last_token = sample_with_noise(last_weights, exp_noise)  # [batch]
@@ -171,14 +190,9 @@ def verify_tree(
 ) -> TreeVerifyOutput:
     q = None if child_draft_probs is None else child_draft_probs[None]
     out = verify_tree_batch(
-        tree.tokens[None].to(target_probs.device),
-        tree.parents[None].to(target_probs.device),
-        torch.tensor([len(tree)], device=target_probs.device),
-        q,
-        target_probs[None],
-        [generator],
+        tree.tokens[None], tree.parents[None], torch.tensor([len(tree)]), q, target_probs[None], [generator]
     )
-    return out.row(0)
+    return out.rows()[0]
 
 
 def verify_trees(
@@ -190,7 +204,7 @@ def verify_trees(
 ) -> list[TreeVerifyOutput]:
     """A batch of trees of any shapes, padded and verified together."""
     device = target_probs_list[0].device
-    tokens, parents, num_nodes = (t.to(device) for t in pad_trees(trees))
+    tokens, parents, num_nodes = pad_trees(trees)   # on the host, where the trees are built
     batch, n_max = tokens.shape
     vocab = target_probs_list[0].shape[-1]
     target_probs = torch.zeros(batch, n_max, vocab, dtype=target_probs_list[0].dtype, device=device)
@@ -198,11 +212,11 @@ def verify_trees(
         target_probs[b, : probs.shape[0]] = probs
     q = None
     if any(c is not None for c in child_draft_probs_list):
-        drafted = tokens.clone()
+        drafted = tokens.to(device, copy=True)
         drafted[:, 0] = 0  # the root was not drafted: its q row is never read
         q = torch.zeros_like(target_probs).scatter(-1, drafted[..., None], 1.0)  # one-hot where None
         for b, probs in enumerate(child_draft_probs_list):
             if probs is not None:
                 q[b, : probs.shape[0]] = probs
     out = verify_tree_batch(tokens, parents, num_nodes, q, target_probs, generators, greedy)
-    return [out.row(b) for b in range(batch)]
+    return out.rows()

@@ -385,7 +385,14 @@ class TargetWorker:
         results = {}
         self.runner.keep_tree_paths([runs[i].slot for i in rows], [starts[i] for i in rows],
                                     [[0, *out.accepted_nodes] for out in outs])
-        for i, tree, out in zip(rows, trees, outs, strict=True):
+        states = [None] * len(rows)
+        if hidden is not None:
+            # the root and each accepted node predicted the next token on the path: one gather, one read
+            paths = [[0, *out.accepted_nodes] for out in outs]
+            read = pick_rows(hidden, [i for i, path in zip(rows, paths, strict=True) for _ in path],
+                             [node for path in paths for node in path])
+            states = read.float().cpu().split([len(path) for path in paths])
+        for i, tree, out, state in zip(rows, trees, outs, states, strict=True):
             d, run = drafts[i], runs[i]
             run.pending = out.output_tokens[-1]
             run.num_tokens += len(out.output_tokens)
@@ -397,8 +404,7 @@ class TargetWorker:
                 out.is_bonus,
                 accepted_nodes=list(out.accepted_nodes),
                 depth=int(tree.depth().max()),
-                # the root and each accepted node predicted the next token on the path
-                hidden=hidden[i, [0, *out.accepted_nodes]].float().cpu() if hidden is not None else None,
+                hidden=state,
             )
         return results
 

@@ -145,3 +145,21 @@ def test_verify_tree_batch_output_tensors():
     )
     assert out.accepted_nodes.tolist() == [[2, 5]] and out.output_tokens.tolist() == [[2, 5, 0]]
     assert out.num_accepted.tolist() == [2] and out.is_bonus.tolist() == [True]
+
+
+def test_walking_every_level_as_on_a_gpu_gives_what_the_early_exits_give(monkeypatch):
+    """On a GPU the walk reads nothing back to stop early; the iterations it then runs change nothing."""
+    from specd.workers.core import verify_tree as module
+
+    g = torch.Generator().manual_seed(7)
+    trees = [example_tree(), TokenTree.chain(9, [1, 2, 3]), TokenTree.chain(9, []),
+             TokenTree(tokens=[9, 3, 3], parents=[-1, 0, 0])]
+    q = [torch.softmax(torch.randn(len(t), VOCAB, generator=g), dim=-1) for t in trees]
+    p = [torch.softmax(torch.randn(len(t), VOCAB, generator=g), dim=-1) for t in trees]
+    runs = {}
+    for cheap in (True, False):
+        monkeypatch.setattr(module, "host_reads_are_cheap", lambda device, cheap=cheap: cheap)
+        runs[cheap] = [verify_trees(trees, q, p, [make_generator(seed * 10 + b) for b in range(len(trees))])
+                       for seed in range(20)]
+    assert runs[True] == runs[False]
+    assert len({tuple(out[0].output_tokens) for out in runs[True]}) > 1   # the seeds walk different paths
