@@ -51,6 +51,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 means off), got {self.top_p}")
 
 
+def host_reads_are_cheap(device: torch.device) -> bool:
+    """Whether reading a value back from `device` costs no synchronisation (the CPU). Code that runs on
+    both decides with it whether to read back a flag or to do without one."""
+    return device.type == "cpu"
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [...] int64
     """torch.argmax over the last dimension, same result (the first index of the maximum; a NaN counts as
     the maximum in both). On the CPU, numpy's argmax (half types widened to float32): torch's CPU argmax reads
@@ -108,9 +114,11 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
 
 
 def params_to_tensors(
-    params: list[SamplingParams], device
+    params: list[SamplingParams], device="cpu"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-request settings as tensors: temperature [batch] float, top_k [batch] long, top_p [batch] float."""
+    """Per-request settings as tensors: temperature [batch] float, top_k [batch] long, top_p [batch] float.
+    Keep them on the host (the default) for logits_to_probs: it then decides which steps a batch needs
+    without reading anything back from the device, and moves the settings there in one copy."""
     for p in params:
         p.validate()
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -133,9 +141,23 @@ def logits_to_probs(
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
     batch, n, vocab = logits.shape
+    # Which steps the batch needs is decided on host copies of the settings (free when the caller kept
+    # them there, as params_to_tensors does): on a GPU each flag read from the device is a synchronisation.
+    host_greedy = temperature.cpu() == 0  # [batch]
+    host_top_k, host_top_p = top_k.cpu(), top_p.cpu()
+    use_top_k = (host_top_k > 0) & (host_top_k < vocab) & ~host_greedy  # [batch]
+    use_top_p = (host_top_p < 1.0) & ~host_greedy  # [batch]
+    k_max = int(torch.where(use_top_k, host_top_k, 1).max())
+    any_top_k, any_top_p = bool(use_top_k.any()), bool(use_top_p.any())
+    if not host_reads_are_cheap(logits.device):
+        # the settings and the flags above, to the device in one copy
+        packed = torch.stack([temperature.cpu().double(), host_top_k.double(), host_top_p.double(),
+                              use_top_k.double(), use_top_p.double()]).to(logits.device)
+        temperature, top_k, top_p = packed[0].float(), packed[1].long(), packed[2].float()
+        use_top_k, use_top_p = packed[3].bool(), packed[4].bool()
     greedy = temperature == 0  # [batch]
     one_hot = torch.zeros_like(logits).scatter(-1, greedy_argmax(logits).unsqueeze(-1), 1.0)
-    if bool(greedy.all()):
+    if bool(host_greedy.all()):
         return one_hot
 
     # Temperature: greedy rows divide by 1; their values are replaced by the one-hot at the end.
@@ -149,10 +171,9 @@ def logits_to_probs(
 
     # Top-k keeps every token whose logit is >= the k-th largest, so tied logits are kept together and
     # the mask does not depend on how ties are ordered.
-    use_top_k = (top_k > 0) & (top_k < vocab) & ~greedy  # [batch]
-    if bool(use_top_k.any()):
+    if any_top_k:
         k = torch.where(use_top_k, top_k, torch.ones_like(top_k))  # [batch]
-        top_values = scaled.topk(int(k.max()), dim=-1).values  # [batch, n, k_max], descending
+        top_values = scaled.topk(k_max, dim=-1).values  # [batch, n, k_max], descending
         kth_value = top_values.gather(-1, (k - 1)[:, None, None].expand(-1, n, 1))  # [batch, n, 1]
         below = (scaled < kth_value) & use_top_k[:, None, None]
         scaled = scaled.masked_fill(below, float("-inf"))
@@ -161,8 +182,7 @@ def logits_to_probs(
     # Top-p keeps the smallest set of most likely tokens whose mass reaches top_p: a token is dropped
     # when the mass strictly before it (in descending order) is already >= top_p. A stable sort makes
     # the choice among tied tokens deterministic.
-    use_top_p = (top_p < 1.0) & ~greedy  # [batch]
-    if bool(use_top_p.any()):
+    if any_top_p:
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)  # [batch, n, vocab]
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop_sorted = (mass_before >= top_p.to(dtype)[:, None, None]) & use_top_p[:, None, None]

@@ -34,7 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.workers.core.sampling import exponential_noise, sample_with_noise, uniform_noise
+from specd.workers.core.sampling import (
+    exponential_noise,
+    host_reads_are_cheap,
+    sample_with_noise,
+    uniform_noise,
+)
 from specd.workers.core.tree import TokenTree, pad_trees
 from specd.workers.core.verify_chain import residual_weights
 
@@ -64,11 +69,6 @@ class TreeBatchVerifyOutput:
             out.append(TreeVerifyOutput(accepted_nodes=row[:n], output_tokens=row[depth : depth + n + 1],
                                         is_bonus=bool(row[-1])))
         return out
-
-
-def host_reads_are_cheap(device: torch.device) -> bool:
-    """Whether reading a flag back from `device` costs no synchronisation (the CPU)."""
-    return device.type == "cpu"
 
 
 def children_table(

@@ -250,7 +250,7 @@ class ModelDrafter(Drafter):
     # ---- drafting -------------------------------------------------------------------------------
     def _q(self, logits: torch.Tensor, params) -> torch.Tensor:
         # logits [b, V'] -> q [b, V'] under each request's own processing (the target applies the same)
-        temperature, top_k, top_p = params_to_tensors(params, logits.device)
+        temperature, top_k, top_p = params_to_tensors(params)
         return logits_to_probs(logits.float()[:, None, :], temperature, top_k, top_p)[:, 0]
 
     def _to_target_ids(self, tokens: torch.Tensor) -> list[int]:

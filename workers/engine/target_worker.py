@@ -233,7 +233,7 @@ class TargetWorker:
 
     def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # logits [b, n, vocab] -> p [b, n, vocab], float32 so the accept ratios are computed exactly alike
-        temperature, top_k, top_p = params_to_tensors(params, logits.device)
+        temperature, top_k, top_p = params_to_tensors(params)
         return logits_to_probs(logits.float(), temperature, top_k, top_p)
 
     def _verify_greedy(self, rows, drafts, runs, starts, logits, hidden) -> dict[int, VerifyResult]:

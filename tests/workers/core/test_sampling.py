@@ -115,6 +115,22 @@ def test_rows_use_their_own_settings():
     assert torch.allclose(probs[2], torch.softmax(torch.tensor([1.0, 0.5, 0.0]), dim=-1))
 
 
+def test_settings_moved_to_the_device_in_one_copy_process_as_on_the_host(monkeypatch):
+    """The GPU branch (settings and flags packed into one copy) gives what the CPU branch gives."""
+    from specd.workers.core import sampling
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 2, 50, generator=g)   # [batch, n, vocab]
+    params = [SamplingParams(0.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),
+              SamplingParams(0.9, top_k=7, top_p=0.6)]
+    on_host = logits_to_probs(logits, *params_to_tensors(params))
+    monkeypatch.setattr(sampling, "host_reads_are_cheap", lambda device: False)
+    assert torch.equal(logits_to_probs(logits, *params_to_tensors(params)), on_host)
+    greedy = [SamplingParams(0.0)] * 2
+    assert torch.equal(logits_to_probs(logits[:2], *params_to_tensors(greedy)),
+                       on_host[:1].new_zeros(2, 2, 50).scatter(-1, logits[:2].argmax(-1, keepdim=True), 1.0))
+
+
 def test_sample_one_hot_and_zero_probability():
     probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]])
     for seed in range(50):
