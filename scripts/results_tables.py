@@ -244,6 +244,33 @@ def overhead_gpu(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def overhead_targets(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """Runs of `specd bench overhead` against issue 38's bounds on this CPU: per cell each run's time
+    beyond target-only (target-only's own step for target-only), and whether every run is within bound."""
+    bounds = {("in-process", 1): 1.0, ("in-process", 16): 3.0, ("router", 1): 3.0}
+    runs: dict[tuple, list[float]] = {}
+    for name in files:
+        rows = [r for r in _load(root, name)["rows"] if r["forwards"] == "free" and _keep(r, where)]
+        base = {(r["where"], r["batch"]): r["host_ms_per_step"] for r in rows if r["system"] == "target-only"}
+        for r in rows:
+            key = (r["where"], r["system"], r["batch"])
+            own = r["host_ms_per_step"]
+            beyond = own if r["system"] == "target-only" else own - base[r["where"], r["batch"]]
+            runs.setdefault(key, []).append(beyond)
+    lines = ["| where | system | batch | ms beyond target-only, per run | bound | within |",
+             "|---|---|---|---|---|---|"]
+    for (place, system, batch), values in runs.items():
+        bound = (0.3 if (place, batch) == ("in-process", 1) else None) if system == "target-only" \
+            else bounds.get((place, batch))
+        if bound is None:
+            continue
+        label = "own step" if system == "target-only" else "beyond"
+        within = "yes" if all(v <= bound for v in values) else "no"
+        lines.append(f"| {place} | {system} | {batch} | {', '.join(f'{v:.2f}' for v in values)} ({label}) | "
+                     f"≤ {bound:g} | {within} |")
+    return "\n".join(lines)
+
+
 def overhead_ab(root: Path, files: list[str], where: dict[str, str]) -> str:
     """Two sets of `specd bench overhead` runs of the same cells, interleaved on one machine: the files
     whose name holds "-before-" or "-pre-" against the others. Per cell the median of each set's runs,
@@ -294,7 +321,7 @@ def serve_vllm(root: Path, files: list[str], where: dict[str, str]) -> str:
 
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
          "osd-arms": osd_arms, "soak": soak, "overhead": overhead, "overhead-ab": overhead_ab,
-         "overhead-gpu": overhead_gpu, "serve-vllm": serve_vllm}
+         "overhead-gpu": overhead_gpu, "overhead-targets": overhead_targets, "serve-vllm": serve_vllm}
 
 
 def sources(spec: str) -> list[str]:
