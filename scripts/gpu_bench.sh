@@ -8,7 +8,8 @@
 #                                    into /tmp/site, build the model cache, then run the benchmarks
 #                                    and write bench/results/gpu-*.json (and copy them to $OUT if set);
 #                                    SPECD_GPU_PHASES picks them (default "b1 b8 serve"; also "grid",
-#                                    "f32", "overhead"); SPECD_GPU_SYSTEMS the systems of b1 and b8
+#                                    "f32", "overhead", "router"); SPECD_GPU_SYSTEMS the systems of b1
+#                                    and b8
 #
 # The device tool carries at most 64 MiB per call: carry DIR/parts in several calls into /root/stage
 # (it stays while the machine is warm), then `run` in one call (about 8 minutes on an H100 with the
@@ -154,6 +155,11 @@ run() {
                 phase profile "$PY" -m specd.cluster.cli bench overhead --where in-process --steps 40 \
                     --systems target-only,chain,default --batch-sizes 1,8 --real --profile /tmp/specd-prof "${cuda[@]}"
                 "$PY" scripts/pstats_summary.py /tmp/specd-prof > "$RESULTS/gpu-profile.txt" || true ;;
+            # Host time per step through the router's scheduler with Ray actors (free forwards; needs the
+            # Ray pieces).
+            router) phase router "$PY" -m specd.cluster.cli bench overhead --where router \
+                    --systems target-only,chain,default --batch-sizes 1,8 --steps 100 \
+                    --json "$RESULTS/gpu-overhead-router.json" "${cuda[@]}" ;;
             # The default against target-only at every batch size of issue 16's grid.
             grid) phase grid "$PY" -m specd.cluster.cli bench engine --workloads gsm8k,humaneval --temperatures 0,0.7 \
                     --num-prompts 16 --max-new-tokens "$TOKENS" --batch-sizes 1,4,8,16 \
