@@ -186,11 +186,12 @@ class ModelDrafter(Drafter):
     def pending_context(self, request_id: str) -> int:
         return len(self.seqs[request_id].feed) - 1
 
-    def _catch_up(self, seqs: list[_DraftSeq], short_feeds: bool = True) -> None:
-        """Put all but the newest token of each feed into the cache, so drafting then runs one token per row:
-        short feeds together in one forward, long ones (a prompt, or tokens committed while the request
-        did not draft) in prefills of alike lengths (CATCH_UP_SPREAD). short_feeds False: leave feeds of
-        at most CATCH_UP_BATCHED tokens whole, for the first drafting forward to take in."""
+    def _catch_up(self, seqs: list[_DraftSeq], short_feeds: bool = False) -> None:
+        """Put all but the newest token of each long feed (a prompt, or tokens committed while the request
+        did not draft) into the cache, in prefills of alike lengths (CATCH_UP_SPREAD). Feeds of at most
+        CATCH_UP_BATCHED tokens stay whole, for the first drafting forward to take in: one drafter forward
+        a step fewer. short_feeds True also puts those in, together in one prefill, so that drafting runs
+        one token per row (what drafting did before; the tests compare the two)."""
         waiting = [s for s in seqs if len(s.feed) > 1]
         short = [s for s in waiting if len(s.feed) <= CATCH_UP_BATCHED] if short_feeds else []
         groups: list[list[_DraftSeq]] = [short] if short else []
@@ -272,10 +273,10 @@ class ModelDrafter(Drafter):
         tokens: list[list[int]] = [[] for _ in request_ids]
         qs: list[list[torch.Tensor]] = [[] for _ in request_ids]
         active = [i for i, g in enumerate(gammas) if g > 0]
-        # Eager forwards take a short feed (the previous step's accepted drafts and target token) in the
-        # forward that drafts the first token: one drafter forward a step fewer. The static decoder (CUDA
-        # graphs per shape bucket) keeps the separate catch-up: not yet measured on a GPU.
-        self._catch_up([seqs[i] for i in active], short_feeds=False)
+        # A short feed (the previous step's accepted drafts and target token) goes in with the forward that
+        # drafts the first token, on the static (CUDA-graph) path too, where a catch-up would be an eager
+        # prefill (docs/decisions/static-inputs.md).
+        self._catch_up([seqs[i] for i in active])
         # absolute position of each row's first draft (the cache holds everything before the feed)
         first_at = {i: self.runner.length(seqs[i].slot) + len(seqs[i].feed) for i in active}
         inputs = {i: seqs[i].feed for i in active}
@@ -361,8 +362,8 @@ class ModelDrafter(Drafter):
         rows = [i for i, d in enumerate(depths) if d > 0]
         trees = {i: ([seqs[i].feed[-1]], [-1]) for i in rows}           # (tokens, parents), root first
         q_child: dict[int, list[torch.Tensor | None]] = {i: [None] for i in rows}
-        # As in propose: eager forwards take a short feed in the first level's forward.
-        self._catch_up([seqs[i] for i in rows], short_feeds=False)
+        # As in propose: a short feed goes in with the first level's forward.
+        self._catch_up([seqs[i] for i in rows])
         frontier = {i: [0] for i in rows}
         for level in range(max((depths[i] for i in rows), default=0)):
             rows = [i for i in rows if level < depths[i]]

@@ -65,7 +65,7 @@ def test_a_short_feed_drafts_in_its_own_forward_what_a_catch_up_first_drafts(tin
         drafter = ModelDrafter(tiny_llama_dir, max_slots=2, max_seq_len=64, pack="none", decode=decode)
         if not merged:
             catch_up = drafter._catch_up
-            monkeypatch.setattr(drafter, "_catch_up", lambda seqs, short_feeds=True, f=catch_up: f(seqs))
+            monkeypatch.setattr(drafter, "_catch_up", lambda seqs, f=catch_up: f(seqs, short_feeds=True))
         extends = _count_calls(drafter.runner, "extend", monkeypatch)
         prefills = _count_calls(drafter.runner, "prefill", monkeypatch)
         out = []
@@ -115,7 +115,7 @@ def test_a_tree_takes_a_short_feed_in_its_first_level(tiny_llama_dir, tiny_hidde
         assert drafter.uses_target_hidden == reads_hidden
         if not merged:
             catch_up = drafter._catch_up
-            monkeypatch.setattr(drafter, "_catch_up", lambda seqs, short_feeds=True, f=catch_up: f(seqs))
+            monkeypatch.setattr(drafter, "_catch_up", lambda seqs, f=catch_up: f(seqs, short_feeds=True))
         prefills = _count_calls(drafter.runner, "prefill", monkeypatch)
         out = []
         for rid, prompt in (("a", [3, 4, 5, 9]), ("b", [7, 8])):
