@@ -148,7 +148,12 @@ def free_runner(runner) -> FreeForward:
             bb, nb = bufs["ids"].shape
             logits = forward._row(full_vocab).expand(bb, nb, -1)
             return (logits, forward._hidden.expand(bb, nb, -1)) if return_hidden else (logits,)
+        def run_chain(bufs, kv_len, steps):   # [bb, steps] target ids: what the stand-ins' logits pick
+            forward.calls += 1
+            bb = bufs["ids"].shape[0]
+            return (torch.full((bb, steps), TOKEN, dtype=torch.long, device=bufs["ids"].device),)
         runner.static._run = run
+        runner.static._run_chain = run_chain
     return forward
 
 

@@ -135,6 +135,9 @@ class ModelDrafter(Drafter):
         self.held_out_acceptance = read_held_out_acceptance(self.path)
         self.uses_target_hidden = self.runner.model.feature_proj is not None
         self.hidden_size = self.runner.model.cfg.hidden_size
+        # Greedy chains on the static path as one run per step (_chain_in_one_run); tests turn it off to
+        # compare with drafting token by token.
+        self.chain_in_one_run = True
         self.seed = seed
         # Unseeded requests draw from the drafter's own stream, seeded by its worker (one per replica).
         self.unseeded = make_generator(seed)
@@ -277,6 +280,10 @@ class ModelDrafter(Drafter):
         # drafts the first token, on the static (CUDA-graph) path too, where a catch-up would be an eager
         # prefill (docs/decisions/static-inputs.md).
         self._catch_up([seqs[i] for i in active])
+        if active and policy is None and self.chain_in_one_run and self.runner.static is not None \
+                and all(params[i].is_greedy for i in active) and self._chain_in_one_run(seqs, gammas, active,
+                                                                                         tokens):
+            active = []
         # absolute position of each row's first draft (the cache holds everything before the feed)
         first_at = {i: self.runner.length(seqs[i].slot) + len(seqs[i].feed) for i in active}
         inputs = {i: seqs[i].feed for i in active}
@@ -327,6 +334,28 @@ class ModelDrafter(Drafter):
         for seq, toks in zip(seqs, tokens, strict=True):
             seq.drafted, seq.tree = list(toks), False
         return DraftProposal(tokens, self._stack_probs(tokens, qs, params), self.version)
+
+    def _chain_in_one_run(self, seqs, gammas, active, tokens) -> bool:
+        """Greedy chains on the static (CUDA-graph) path: the whole γ-token loop as one run of the static
+        decoder (one graph per bucket), the drafts read once, where drafting token by token replays a graph
+        and reads its argmax back per token. False where the decoder does not take the shape."""
+        steps = max(gammas[i] for i in active)
+        slots = [seqs[i].slot for i in active]
+        feats = [seqs[i].feed_hidden for i in active] if self.uses_target_hidden else None
+        drafted = self.runner.extend_chain(slots, [seqs[i].feed for i in active], steps, features=feats)
+        if drafted is None:
+            return False
+        # A row that planned fewer drafts keeps only those, and the cache only those it fed.
+        short = [j for j, i in enumerate(active) if gammas[i] < steps]
+        if short:
+            rows = [slots[j] for j in short]
+            unfed = [steps - gammas[active[j]] for j in short]
+            held = self.runner.lengths(rows)
+            self.runner.rollback_many(rows, [n - u for n, u in zip(held, unfed, strict=True)])
+        for j, i in enumerate(active):
+            tokens[i] = drafted[j][: gammas[i]]
+            seqs[i].feed, seqs[i].feed_hidden = [], None
+        return True
 
     def _stack_probs(self, tokens, qs, params) -> torch.Tensor | None:
         """q [batch, γmax, vocab] for sampled requests; None when every request is greedy (one-hot)."""

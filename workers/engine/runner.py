@@ -287,6 +287,36 @@ class ModelRunner:
         self.cache.lengths[slots] = starts + torch.tensor(counts, device=starts.device)
         return (logits, hidden) if return_hidden else logits
 
+    @torch.inference_mode()
+    def extend_chain(
+        self,
+        slots: list[int],
+        tokens: list[list[int]],   # each row's feed (the newest token last)
+        steps: int,
+        features: list[torch.Tensor] | None = None,   # a hidden-state drafter's, [len(tokens[i]), hidden]
+    ) -> list[list[int]] | None:
+        """Greedy drafting on the static path in one run: append each feed, then draft `steps` tokens per
+        row by argmax, feeding all but the last (the cache then holds feed + drafts[:-1], as after `steps`
+        calls of extend). [b][steps] target ids; None where the static decoder does not take the shape
+        (the caller drafts token by token)."""
+        counts = [len(t) for t in tokens]
+        n = max(counts)
+        if self.static is None or not self.static.handles(len(slots), n):
+            return None
+        starts = self.cache.lengths_of(slots)
+        if max(starts) + n + steps - 1 > self.cache.max_seq_len:   # near the end: token by token
+            return None
+        ids = np.array([t + [0] * (n - len(t)) for t in tokens], dtype=np.int64)   # [b, n]
+        feats = stale = None
+        if features is not None:
+            feats, stale = self._feature_inputs(features, None, counts, n)
+        drafted = self.static.chain(ids, counts, list(slots), starts, steps, feats, stale)
+        if drafted is None:
+            return None
+        ends = [start + count + steps - 1 for start, count in zip(starts, counts, strict=True)]
+        self.cache.lengths[slots] = torch.tensor(ends, dtype=torch.long, device="cpu")
+        return drafted
+
     def _feature_inputs(self, features, staleness, counts, n):
         """Right-padded [b, n, hidden] features on the device and [b, n] staleness (0 = fresh) on the host
         (the static decoder stages it with its other integer inputs)."""

@@ -20,6 +20,7 @@ function eagerly, which is how CPU tests check it token for token against the no
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from specd.workers.core.kv_cache import KVCache
 from specd.workers.models.llama import Llama
 
 MIN_KV = 128
+log = logging.getLogger(__name__)
 
 
 def bucket(n: int, limit: int | None = None) -> int:
@@ -60,6 +62,7 @@ class StaticDecoder:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._pending: torch.cuda.Event | None = None   # the last host-to-device copy of the inputs
+        self.chains = True                               # drafter chains in one run (see chain)
 
     def handles(self, b: int, n: int) -> bool:
         """Shapes this decoder takes; larger ones (a long prompt chunk) go the normal way."""
@@ -94,7 +97,8 @@ class StaticDecoder:
             graph.graph.replay()
             outputs = graph.outputs
         elif self.capture:
-            graph.graph, graph.outputs = self._capture(graph.inputs, kv, full_vocab, return_hidden)
+            graph.graph, graph.outputs = self._capture(
+                lambda: self._run(graph.inputs, kv, full_vocab, return_hidden))
             graph.graph.replay()
             outputs = graph.outputs
         else:
@@ -102,6 +106,51 @@ class StaticDecoder:
         logits = outputs[0][:b, :n].clone()
         hidden = outputs[1][:b, :n].clone() if return_hidden else None
         return logits, hidden
+
+    def chain(
+        self,
+        ids: np.ndarray,            # [b, n] long: each row's feed, left-aligned
+        counts: list[int],          # [b] tokens of each row's feed
+        slots: list[int],
+        starts: list[int],
+        steps: int,
+        features: torch.Tensor | None = None,   # [b, n, hidden]
+        staleness=None,                         # [b, n] long, on the host
+    ) -> list[list[int]] | None:
+        """A greedy drafter's chain of `steps` tokens per row in one static run (one CUDA graph per bucket
+        and chain length): [b][steps] target ids, read once. The feed and the first steps - 1 drafts go
+        into the cache, as the per-token path leaves it; the caller sets the slots' lengths. None when
+        chains cannot be captured here (the caller drafts token by token)."""
+        if not self.chains:
+            return None
+        b, n = ids.shape
+        self.cache.check_capacity(starts, n + steps - 1)
+        nb = bucket(n, self.max_tokens)
+        bb = bucket(b, bucket(self.cache.num_slots))
+        kv = min(bucket(max(max(starts) + n + steps - 1, MIN_KV), bucket(self.cache.max_seq_len)),
+                 self.cache.max_seq_len)
+        key = ("chain", bb, nb, kv, steps, features is not None)
+        graph = self.graphs.get(key)
+        if graph is None:
+            inputs = self._buffers(bb, nb, features is not None)
+            graph = self.graphs[key] = _Graph(inputs, (), None, self._staged(inputs["host"], bb, nb))
+        depth = np.broadcast_to(np.arange(n), (b, n))
+        causal = np.broadcast_to(np.tri(n, dtype=bool), (b, n, n))
+        self._fill(graph, ids, depth, causal, slots, starts, features, staleness, counts)
+        if graph.graph is None and self.capture:
+            try:
+                graph.graph, graph.outputs = self._capture(lambda: self._run_chain(graph.inputs, kv, steps))
+            except RuntimeError as err:     # not measured on a GPU yet: drafting token by token still works
+                log.warning("capturing a drafter chain failed (%s); drafting token by token from now on", err)
+                self.chains = False
+                del self.graphs[key]
+                return None
+        if graph.graph is not None:
+            graph.graph.replay()
+            drafted = graph.outputs[0]
+        else:
+            drafted = self._run_chain(graph.inputs, kv, steps)[0]
+        return drafted[:b].tolist()
 
     # ---- static buffers ---------------------------------------------------------------------------
 
@@ -112,7 +161,8 @@ class StaticDecoder:
     PACKED = (("ids", lambda bb, nb: (bb, nb)), ("depth", lambda bb, nb: (bb, nb)),
               ("tree", lambda bb, nb: (bb, nb, nb)), ("slots", lambda bb, nb: (bb,)),
               ("starts", lambda bb, nb: (bb,)), ("write_slot", lambda bb, nb: (bb, nb)),
-              ("write_pos", lambda bb, nb: (bb, nb)), ("staleness", lambda bb, nb: (bb, nb)))
+              ("write_pos", lambda bb, nb: (bb, nb)), ("staleness", lambda bb, nb: (bb, nb)),
+              ("counts", lambda bb, nb: (bb,)), ("last", lambda bb, nb: (bb,)))
 
     def _buffers(self, bb: int, nb: int, with_features: bool) -> dict[str, torch.Tensor]:
         """The static inputs: views of one packed device buffer ("packed"), staged through a host copy
@@ -143,7 +193,8 @@ class StaticDecoder:
             offset += size
         return views
 
-    def _fill(self, graph: _Graph, ids, depth, tree, slots, starts, features, staleness) -> None:
+    def _fill(self, graph: _Graph, ids, depth, tree, slots, starts, features, staleness,
+              counts: list[int] | None = None) -> None:
         """Copy one call's inputs into the buffers; padded rows and tokens get harmless values. Built in
         numpy on the host buffer (microseconds), then one copy to the device."""
         bufs, views = graph.inputs, graph.staged
@@ -170,6 +221,10 @@ class StaticDecoder:
         views["write_slot"][:b, :n] = views["slots"][:b, None]
         views["write_pos"][:] = offsets
         views["write_pos"][:b, :n] += views["starts"][:b, None]
+        # Each row's real tokens (a chain's feed: ids are left-aligned), for the drafter's chain.
+        views["counts"][:] = 0
+        views["counts"][:b] = n if counts is None else counts
+        views["last"][:] = np.maximum(views["counts"] - 1, 0)
         views["staleness"][:] = 0
         if features is not None:
             views["staleness"][:b, :n] = np.asarray(staleness)
@@ -185,15 +240,31 @@ class StaticDecoder:
 
     def _run(self, bufs, kv_len: int, full_vocab: bool, return_hidden: bool) -> tuple[torch.Tensor, ...]:
         """The padded forward, shapes fixed by the buffers and kv_len: what a CUDA graph captures."""
+        hidden = self._layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
+                              bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
+                              bufs.get("staleness"), kv_len)
+        logits = self.model._head(hidden, full_vocab)
+        return (logits, hidden) if return_hidden else (logits,)
+
+    def _layers(
+        self,
+        ids: torch.Tensor,         # [bb, nb] long
+        depth: torch.Tensor,       # [bb, nb] long
+        tree: torch.Tensor,        # [bb, nb, nb] bool
+        slots: torch.Tensor,       # [bb] long
+        starts: torch.Tensor,      # [bb] long
+        write_slot: torch.Tensor,  # [bb, nb] long: where new K/V go
+        write_pos: torch.Tensor,   # [bb, nb] long
+        features: torch.Tensor | None,   # [bb, nb, hidden]
+        staleness: torch.Tensor | None,  # [bb, nb] long
+        kv_len: int,
+    ) -> torch.Tensor:  # [bb, nb, hidden], normed
         model, cache = self.model, self.cache
-        ids, depth, slots, starts = (bufs[k] for k in ("ids", "depth", "slots", "starts"))
-        tree = bufs["tree"].bool()  # [bb, nb, nb], packed as 0/1
-        write_slot, write_pos = bufs["write_slot"], bufs["write_pos"]  # [bb, nb] where new K/V go
         # Padded tokens may run past the table; their outputs are never read.
         positions = (starts[:, None] + depth).clamp(max=model.rope.shape[0] - 1)
         rope = model.rope[positions].unsqueeze(2)  # [bb, nb, 1, d/2]
         mask = _attention_mask(starts, tree, kv_len)  # [bb, 1, nb, kv_len]
-        x = model.embed(ids, bufs.get("features"), bufs.get("staleness"))  # [bb, nb, hidden]
+        x = model.embed(ids, features, staleness)  # [bb, nb, hidden]
         for layer, block in enumerate(model.layers):
             attn = block.attn
             q, k, v = attn.qkv(block.input_layernorm(x), rope)
@@ -205,24 +276,53 @@ class StaticDecoder:
             out = F.scaled_dot_product_attention(q, keys, values, mask, enable_gqa=True)
             x = x + attn.project(out)
             x = x + block.mlp(block.post_attention_layernorm(x))
-        hidden = model.norm(x)
-        logits = model._head(hidden, full_vocab)
-        return (logits, hidden) if return_hidden else (logits,)
+        return model.norm(x)
 
-    def _capture(self, bufs, kv_len: int, full_vocab: bool, return_hidden: bool):
-        """Warm up on a side stream (as torch.cuda.graphs asks), then capture one forward.
+    def _run_chain(self, bufs, kv_len: int, steps: int) -> tuple[torch.Tensor]:
+        """A greedy drafter's whole chain: the feed's forward drafts token 1, then `steps` - 1 one-token
+        forwards each feed the token before and draft the next, the argmax and its target id taken on the
+        device. -> ([bb, steps] target ids,). As the per-token path: draft k goes in at start + count + k - 1
+        and, for a hidden-state drafter, reads the feed's newest state, k steps stale."""
+        bb = bufs["ids"].shape[0]
+        rows = torch.arange(bb, device=self.device)
+        last = bufs["last"]                                        # [bb] each row's newest feed token
+        hidden = self._layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
+                              bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
+                              bufs.get("staleness"), kv_len)
+        token = self._argmax_ids(hidden[rows, last][:, None])     # [bb, 1]
+        drafted = [token]
+        root = None if "features" not in bufs else bufs["features"][rows, last][:, None]   # [bb, 1, hidden]
+        after_feed = bufs["starts"] + bufs["counts"]               # [bb] where draft 1 goes in
+        depth = torch.zeros(bb, 1, dtype=torch.long, device=self.device)
+        sees_itself = torch.ones(bb, 1, 1, dtype=torch.bool, device=self.device)
+        slots = bufs["slots"]                                      # padded rows: the scratch slot
+        for k in range(1, steps):
+            start = after_feed + (k - 1)                           # [bb]; padded rows: scratch positions
+            stale = None if root is None else torch.full((bb, 1), k, dtype=torch.long, device=self.device)
+            hidden = self._layers(token, depth, sees_itself, slots, start, slots[:, None], start[:, None],
+                                  root, stale, kv_len)
+            token = self._argmax_ids(hidden)
+            drafted.append(token)
+        return (torch.cat(drafted, dim=1),)
 
-        The warm-up runs write the same keys and values the replay will: same inputs, same slots.
-        """
+    def _argmax_ids(self, hidden: torch.Tensor) -> torch.Tensor:  # [bb, 1, hidden] -> [bb, 1] target ids
+        best = self.model._head(hidden, False).argmax(dim=-1)     # [bb, 1] head rows
+        vocab_ids = self.model.draft_vocab_ids
+        return best if vocab_ids is None else vocab_ids[best]
+
+    def _capture(self, run):
+        """Warm up on a side stream (as torch.cuda.graphs asks), then capture one run() (a forward, or a
+        drafter's chain). The warm-up runs write the same keys and values the replay will: same inputs,
+        same slots."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._run(bufs, kv_len, full_vocab, return_hidden)
+                run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._run(bufs, kv_len, full_vocab, return_hidden)
+            outputs = run()
         return graph, outputs
 
 

@@ -132,3 +132,46 @@ def test_a_tree_takes_a_short_feed_in_its_first_level(tiny_llama_dir, tiny_hidde
     assert trees[True][0] == trees[False][0]
     assert all(len(tokens[0]) == 2 + 2 + 2 and len(tokens[1]) == 3 + 3 for (tokens, _) in trees[True][0])
     assert trees[True][1] == 0 and trees[False][1] > 0
+
+
+@pytest.mark.parametrize("reads_hidden", [False, True], ids=["tokens", "hidden-states"])
+def test_a_greedy_chain_in_one_static_run_drafts_what_token_by_token_drafts(
+        tiny_llama_dir, tiny_hidden_llama_dir, reads_hidden, monkeypatch):
+    """On the static (CUDA-graph) path a greedy chain is one run of the static decoder: the same drafts,
+    and the same cache (lengths and entries), as drafting token by token, step after step, where rows plan
+    different γ and commit different numbers of drafts."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+
+    def states(n):
+        return {"hidden": torch.randn(n, 64, generator=gen)} if reads_hidden else {}
+
+    runs = {}
+    for one_run in (True, False):
+        gen.manual_seed(1)
+        drafter = ModelDrafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, max_slots=2,
+                               max_seq_len=64, pack="none", decode="static")
+        drafter.chain_in_one_run = one_run
+        chains = _count_calls(drafter.runner, "extend_chain", monkeypatch)
+        for rid, prompt in (("a", [3, 4, 5, 9]), ("b", [7, 8])):
+            drafter.add_request(rid, prompt, seed=0, **states(len(prompt) - 1))
+        out = []
+        for step in range(5):
+            gammas = [3, 1] if step % 2 else [2, 4]
+            proposal = drafter.propose(["a", "b"], gammas, [SamplingParams()] * 2)
+            out.append(proposal.tokens)
+            for rid, toks in zip(["a", "b"], proposal.tokens, strict=True):
+                kept = len(toks) if step % 3 == 0 else min(step % 2, len(toks))
+                drafter.commit(rid, kept, [*toks[:kept], 11 + step], **states(kept + 1))
+        cache = drafter.runner.cache
+        slots = [drafter.seqs[r].slot for r in ("a", "b")]
+        lengths = cache.lengths_of(slots)
+        entries = [cache.k[:, slot, :, :length].clone() for slot, length in zip(slots, lengths, strict=True)]
+        runs[one_run] = (out, lengths, entries, len(chains))
+    assert runs[True][0] == runs[False][0]
+    assert all(len(toks) == g for toks, g in zip(runs[True][0][0], [2, 4], strict=True))
+    assert runs[True][1] == runs[False][1]
+    for a, b in zip(runs[True][2], runs[False][2], strict=True):
+        torch.testing.assert_close(a, b)
+    assert runs[True][3] == 5 and runs[False][3] == 0      # one run a step, or none

@@ -168,3 +168,19 @@ def test_static_drafter_drafts_what_eager_drafts_with_target_hidden_states(boot_
         drafts.append((chain, tree.tokens, tree.parents))
     assert drafts[0] == drafts[1]
     assert len(drafts[0][1][0]) == 3 * 3   # width 3 at the first level, each a chain of depth 3
+
+
+def test_a_chain_the_decoder_cannot_take_is_left_to_the_caller(tiny_target_dir) -> None:
+    """extend_chain answers None, and leaves the cache as it was, where chains cannot be run in one go
+    (a failed capture turns them off) or the chain would run past max_seq_len: the drafter then drafts
+    token by token."""
+    runner = ModelRunner(tiny_target_dir, max_slots=2, max_seq_len=64, decode="static")
+    slot = runner.allocate()
+    runner.prefill([slot], [[5, 6, 7]])
+    assert runner.extend_chain([slot], [[8]], 64) is None           # 3 + 1 + 63 > 64
+    runner.static.chains = False
+    assert runner.extend_chain([slot], [[8]], 3) is None
+    assert runner.cache.lengths_of([slot]) == [3]
+    runner.static.chains = True
+    drafted = runner.extend_chain([slot], [[8, 9]], 3)
+    assert len(drafted) == 1 and len(drafted[0]) == 3 and runner.cache.lengths_of([slot]) == [3 + 2 + 2]
