@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.drafters.model import ModelDrafter
@@ -94,25 +95,33 @@ def test_a_versions_own_held_out_acceptance_wins_over_its_bootstrap_record():
     assert held_out_acceptance({"held_out_acceptance": 1.5}) is None            # not a probability
 
 
+def _fresh_states(gen, reads_hidden: bool):
+    """states(n): the keyword arguments that hand a hidden-state drafter n fresh target states [n, 64]
+    (add_request, commit); nothing for a token drafter."""
+    def states(n):
+        return {"hidden": torch.randn(n, 64, generator=gen)} if reads_hidden else {}
+    return states
+
+
+def _small_drafter(path, reads_hidden: bool, decode: str) -> ModelDrafter:
+    drafter = ModelDrafter(path, max_slots=2, max_seq_len=64, pack="none", decode=decode)
+    assert drafter.uses_target_hidden == reads_hidden
+    return drafter
+
+
 @pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("reads_hidden", [False, True], ids=["tokens", "hidden-states"])
 def test_a_tree_takes_a_short_feed_in_its_first_level(tiny_llama_dir, tiny_hidden_llama_dir, reads_hidden,
                                                       decode, monkeypatch):
     """A tree's first level takes the feed in with its root (one drafter forward a step fewer): the same
     trees as a catch-up prefill then the root alone, step after step, and no catch-up prefill."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-
-    def states(n):
-        return {"hidden": torch.randn(n, 64, generator=gen)} if reads_hidden else {}
-
+    gen = torch.Generator()
+    states = _fresh_states(gen, reads_hidden)
     trees = {}
     for merged in (True, False):
         gen.manual_seed(0)
-        drafter = ModelDrafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, max_slots=2,
-                               max_seq_len=64, pack="none", decode=decode)
-        assert drafter.uses_target_hidden == reads_hidden
+        drafter = _small_drafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, reads_hidden,
+                                 decode)
         if not merged:
             catch_up = drafter._catch_up
             monkeypatch.setattr(drafter, "_catch_up", lambda seqs, f=catch_up: f(seqs, short_feeds=True))
@@ -140,18 +149,13 @@ def test_a_greedy_chain_in_one_static_run_drafts_what_token_by_token_drafts(
     """On the static (CUDA-graph) path a greedy chain is one run of the static decoder: the same drafts,
     and the same cache (lengths and entries), as drafting token by token, step after step, where rows plan
     different γ and commit different numbers of drafts."""
-    import torch
-
-    gen = torch.Generator().manual_seed(1)
-
-    def states(n):
-        return {"hidden": torch.randn(n, 64, generator=gen)} if reads_hidden else {}
-
+    gen = torch.Generator()
+    states = _fresh_states(gen, reads_hidden)
     runs = {}
     for one_run in (True, False):
         gen.manual_seed(1)
-        drafter = ModelDrafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, max_slots=2,
-                               max_seq_len=64, pack="none", decode="static")
+        drafter = _small_drafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, reads_hidden,
+                                 "static")
         drafter.chain_in_one_run = one_run
         chains = _count_calls(drafter.runner, "extend_chain", monkeypatch)
         for rid, prompt in (("a", [3, 4, 5, 9]), ("b", [7, 8])):
