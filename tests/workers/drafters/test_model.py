@@ -103,7 +103,9 @@ def _fresh_states(gen, reads_hidden: bool):
     return states
 
 
-def _small_drafter(path, reads_hidden: bool, decode: str) -> ModelDrafter:
+def _small_drafter(token_dir, hidden_dir, reads_hidden: bool, decode: str) -> ModelDrafter:
+    """Two slots of the tiny token drafter, or of the tiny hidden-state one."""
+    path = hidden_dir if reads_hidden else token_dir
     drafter = ModelDrafter(path, max_slots=2, max_seq_len=64, pack="none", decode=decode)
     assert drafter.uses_target_hidden == reads_hidden
     return drafter
@@ -120,8 +122,7 @@ def test_a_tree_takes_a_short_feed_in_its_first_level(tiny_llama_dir, tiny_hidde
     trees = {}
     for merged in (True, False):
         gen.manual_seed(0)
-        drafter = _small_drafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, reads_hidden,
-                                 decode)
+        drafter = _small_drafter(tiny_llama_dir, tiny_hidden_llama_dir, reads_hidden, decode)
         if not merged:
             catch_up = drafter._catch_up
             monkeypatch.setattr(drafter, "_catch_up", lambda seqs, f=catch_up: f(seqs, short_feeds=True))
@@ -154,8 +155,7 @@ def test_a_greedy_chain_in_one_static_run_drafts_what_token_by_token_drafts(
     runs = {}
     for one_run in (True, False):
         gen.manual_seed(1)
-        drafter = _small_drafter(tiny_hidden_llama_dir if reads_hidden else tiny_llama_dir, reads_hidden,
-                                 "static")
+        drafter = _small_drafter(tiny_llama_dir, tiny_hidden_llama_dir, reads_hidden, "static")
         drafter.chain_in_one_run = one_run
         chains = _count_calls(drafter.runner, "extend_chain", monkeypatch)
         for rid, prompt in (("a", [3, 4, 5, 9]), ("b", [7, 8])):
