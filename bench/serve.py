@@ -201,7 +201,7 @@ def run_in_process(overrides: list[str], prompt_ids: list[list[int]], clients: i
 class ServerProcess:
     """`python -m specd.cluster.serve` as a child process; the address is read from its ready line."""
 
-    READY = re.compile(r"specd serving .* on (\S+?)(,|$)")
+    READY = re.compile(r"specd serving .*? on (\S+?)(,|$)")
 
     def __init__(self, overrides: list[str], log_path: Path, timeout_s: float = 1800):
         self.log_path = log_path

@@ -86,3 +86,15 @@ def test_rounds_merge_all_timings_and_pair_round_by_round() -> None:
     assert figures["speedup_median"] == pytest.approx(1.0)
     assert figures["tpot_p50_ratio_rounds"] == pytest.approx([0.8, 0.4])
     assert round_figures({"specd": _round(1.0, 0.1), "target-only": _round(1.0, 0.1)}) == {}
+
+
+def test_the_ready_line_gives_the_grpc_address_with_or_without_metrics() -> None:
+    from specd.bench.serve import ServerProcess
+
+    def address(line: str) -> str:
+        return ServerProcess.READY.search(line).group(1)
+
+    assert address("specd serving SmolLM2-135M-Instruct on 127.0.0.1:40841") == "127.0.0.1:40841"
+    # the metrics note names another address after " on ": the gRPC one is the first
+    assert address("specd serving SmolLM2-135M-Instruct on 127.0.0.1:45347, metrics on "
+                   "http://127.0.0.1:9464/metrics") == "127.0.0.1:45347"
