@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import redis
@@ -31,7 +32,14 @@ from specd.workers.drafters.redis_versions import (
     redis_current,
     set_current,
 )
-from specd.workers.drafters.versions import held_out_acceptance, target_checksum, version_dir, write_current
+from specd.workers.drafters.versions import (
+    META_FILE,
+    held_out_acceptance,
+    read_meta,
+    target_checksum,
+    version_dir,
+    write_current,
+)
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +145,30 @@ def publish_first_version(spec: dict, prefix: str, drafter_dir: str | Path, targ
     store = VersionStore(store_root)
     state, config, meta = load_drafter(drafter_dir)
     version = meta.get("version")
+    figure = held_out_acceptance(meta)
     # published by an earlier start of this router: the same files go to Redis again
     if not (version and version_dir(store.root, version).is_dir()):
         version = store.publish(state, config, version=version, parent=None, target_checksum=target_sum,
-                                origin=str(drafter_dir), held_out_acceptance=held_out_acceptance(meta))
+                                origin=str(drafter_dir), held_out_acceptance=figure)
+    else:
+        carry_held_out(version_dir(store.root, version), figure)
     push_version(mirror.client, prefix, version_dir(store.root, version), make_current=True)
     log.info("drafter versions: first-start drafter %s published to Redis (%s)", version, prefix)
     return version
 
 
-__all__ = ["MirroredStore", "RedisMirror", "publish_first_version"]
+def carry_held_out(vdir: Path, figure: float | None) -> None:
+    """A version an older specd published carries no `held_out_acceptance`: copy the drafter's figure into
+    its record (the weights and their sha256 are untouched), or every DraftWorker that swaps to it plans
+    with the flat prior, six times what the quick drafter gets accepted
+    (docs/decisions/version-acceptance-prior.md)."""
+    meta = read_meta(vdir)
+    if figure is None or held_out_acceptance(meta) is not None:
+        return
+    tmp = vdir / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps({**meta, "held_out_acceptance": figure}, indent=2) + "\n")
+    os.replace(tmp, vdir / META_FILE)
+    log.info("drafter versions: %s carried no held-out acceptance; recorded %.4f", vdir.name, figure)
+
+
+__all__ = ["MirroredStore", "RedisMirror", "carry_held_out", "publish_first_version"]

@@ -122,3 +122,27 @@ def test_redis_loss_trainer_restart_and_draft_worker_restart(tmp_path, tiny_llam
     # a DraftWorker restarted on another node starts on the serving version
     again = _worker(tiny_llama_dir, tmp_path / "draft-b", redis_server)
     assert again.version() == v0
+
+
+def test_a_version_an_older_router_published_gets_the_drafters_held_out_figure(tmp_path, tiny_llama_dir,
+                                                                                redis_server):
+    """An older specd published the first-start drafter without `held_out_acceptance`; the next start finds
+    that version in its store and sends the same files to Redis. The record now carries the drafter's
+    figure, so DraftWorkers that swap to it plan with it rather than the flat prior."""
+    import json
+
+    from specd.workers.drafters.versions import held_out_acceptance, read_meta, version_dir
+
+    drafter_dir = make_tiny_drafter(tiny_llama_dir, tmp_path / "drafter")
+    store = tmp_path / "router-store"
+    v0 = publish_first_version(_spec(redis_server), PREFIX, drafter_dir, tiny_llama_dir, store)
+    assert held_out_acceptance(read_meta(version_dir(store, v0))) is None     # the drafter records none
+    meta_path = drafter_dir / "specd_drafter.json"
+    meta = json.loads(meta_path.read_text())
+    meta["train"] = {"eval_after": {"greedy_match": 0.12}}
+    meta_path.write_text(json.dumps(meta))
+    mirror = RedisMirror(_spec(redis_server), PREFIX)
+    mirror.client.flushall()                     # a fresh Redis: the router publishes again
+    assert publish_first_version(_spec(redis_server), PREFIX, drafter_dir, tiny_llama_dir, store) == v0
+    assert read_meta(version_dir(store, v0))["held_out_acceptance"] == pytest.approx(0.12)
+    assert held_out_acceptance(mirror.meta(v0)) == pytest.approx(0.12)
