@@ -248,3 +248,40 @@ def test_requests_spread_over_replicas(fake_pair) -> None:
     assert sorted(fin.stats.replica for _, fin in outs) == [0, 0, 1, 1]
     for target, _ in pairs:
         assert sum(1 for _, m, _ in target.tracker.log if m == "start") >= 1
+
+
+def test_requests_that_finish_while_the_drafter_is_down_are_released_when_it_is_back(fake_pair,
+                                                                                       monkeypatch) -> None:
+    """A drafter call that raises (its process lives on: serving found a ValueError inside a propose) puts the
+    running requests on target-only decoding. Those that finish before the drafter answers again still hold
+    its KV slots; it is told to release them once it is back, or the slots leaked until its cache was full."""
+    from specd.workers.engine import step as step_module
+
+    monkeypatch.setattr(step_module, "DRAFTER_RETRY_S", 0.0)
+
+    async def main():
+        target, drafter = fake_pair()
+        real_propose, calls = drafter.propose, []
+
+        def propose_failing_once(items):
+            calls.append(len(items))
+            if len(calls) == 3:
+                raise ValueError("fake failure inside the drafter")
+            return real_propose(items)
+
+        drafter.propose = propose_failing_once
+        drafter.max_slots = lambda: 8           # what the step asks a failed drafter: are you back?
+        sched = scheduler([(target, drafter)], groups=1)
+        await sched.start()
+        first = await asyncio.gather(*[sched.generate(request(f"r{i}", [i + 1], 12)) for i in range(3)])
+        for i in range(20):         # the first request after the outage asks whether the drafter is back
+            after = await sched.generate(request(f"after{i}", [20], 12))
+            if after[1].stats.spec.drafted > 0:
+                break
+        await sched.stop()
+        return drafter, first, after
+
+    drafter, first, after = asyncio.run(main())
+    assert [t for t, _ in first] == [target_only([i + 1], 12) for i in range(3)]
+    assert after[0] == target_only([20], 12) and after[1].stats.spec.drafted > 0   # the drafter is back
+    assert drafter.running == {}          # every request it started was released, those of the outage too

@@ -71,6 +71,9 @@ class SpecStep:
         self.on_drafter_back = on_drafter_back
         self.target_only: set[str] = set()       # requests whose drafter state was lost
         self.drafter_down_since: float | None = None
+        # requests that finished while the drafter was down: a drafter whose process lived through the
+        # failure (an error inside a call) still holds their slots, and is told once it answers again
+        self.release_when_back: set[str] = set()
         self._last_probe = 0.0
         self.drafter_failures = 0                # drafter calls that raised
         self.fallback_requests = 0               # requests moved to target-only decoding by them
@@ -153,6 +156,9 @@ class SpecStep:
             await probe
             if self.on_drafter_back is not None:
                 await self.on_drafter_back()
+            if self.release_when_back:
+                await self.drafter.release(sorted(self.release_when_back))
+                self.release_when_back.clear()
         except Exception as exc:  # still down (or restarting): ask again later
             log.debug("drafter still unavailable: %r", exc)
             return False
@@ -236,11 +242,16 @@ class SpecStep:
         self.target_only.difference_update(request_ids)
         self.planner.release(request_ids)
         await self.target.release(request_ids)
-        if self.drafter is not None and self.drafter_down_since is None:
-            try:
-                await self.drafter.release(request_ids)
-            except Exception as exc:
-                self._drafter_failed(exc, [])
+        if self.drafter is None:
+            return
+        if self.drafter_down_since is not None:
+            self.release_when_back.update(request_ids)
+            return
+        try:
+            await self.drafter.release(request_ids)
+        except Exception as exc:
+            self.release_when_back.update(request_ids)
+            self._drafter_failed(exc, [])
 
 
 def _in_order(records: list, ids: list[str], what: str) -> list:
