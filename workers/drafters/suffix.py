@@ -17,9 +17,11 @@ Each step, per request: both indexes draft the most frequent continuation of the
 or a tree of the most frequent branches for propose_tree), and the one with the higher score (expected
 accepted tokens from observed frequencies) is the suffix candidate. With a model drafter beside it, the
 candidate with more expected tokens per unit of cost drafts: the suffix step costs one target forward
-(lookups are free next to it), a model step also `model_cost` of a forward per drafted level, and the
-model's expected accepted length comes from this request's own record of model-drafted steps. Both
-drafters see every commit (as in hybrid.py), so either can draft the next step.
+(lookups are free next to it), a model step also `model_cost` of a forward per drafted level. Both are
+priced from measured acceptance per draft position: the suffix draft's frequencies calibrated by what
+suffix drafts of its match length achieved, the model's at its best draft length from what its drafts
+achieved over all requests (its version's held-out figure until then), shrunk toward this request's own
+record. Both drafters see every commit (as in hybrid.py), so either can draft the next step.
 
 Suffix drafts are deterministic: q is one-hot on the drafted token (as for the n-gram drafter), so
 verification stays exact for greedy and sampled requests. Request ids starting with SCRATCH_PREFIX
@@ -29,7 +31,7 @@ verification stays exact for greedy and sampled requests. Request ids starting w
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,18 +53,20 @@ MATCH_BUCKETS = (2, 3, 5, 9)      # bucket i holds matches >= MATCH_BUCKETS[i] (
 
 
 class PositionAcceptance:
-    """Measured acceptance of suffix drafts per match-length bucket and draft position: P(draft k accepted |
-    drafts before it were). It calibrates the index's frequencies, which overrate rare continuations (one
-    occurrence reads as probability 1). Starts from prior pseudo-counts."""
+    """Measured acceptance of drafts per match-length bucket and draft position: P(draft k accepted |
+    drafts before it were). For suffix drafts it calibrates the index's frequencies, which overrate rare
+    continuations (one occurrence reads as probability 1); the model's drafts use one bucket. Starts from
+    prior pseudo-counts."""
 
-    def __init__(self, depth: int, first: float = 0.5, later: float = 0.8, pseudo: float = 4.0) -> None:
+    def __init__(self, depth: int, first: float = 0.5, later: float = 0.8, pseudo: float = 4.0,
+                 buckets: int = len(MATCH_BUCKETS)) -> None:
         prior = [first] + [later] * (depth - 1)
-        self.hits = [[p * pseudo for p in prior] for _ in MATCH_BUCKETS]
-        self.trials = [[pseudo] * depth for _ in MATCH_BUCKETS]
+        self.hits = [[p * pseudo for p in prior] for _ in range(buckets)]
+        self.trials = [[pseudo] * depth for _ in range(buckets)]
 
-    @staticmethod
-    def bucket(match: int) -> int:
-        return max(i for i, lo in enumerate(MATCH_BUCKETS) if match >= lo or i == 0)
+    def bucket(self, match: int) -> int:
+        b = max(i for i, lo in enumerate(MATCH_BUCKETS) if match >= lo or i == 0)
+        return min(b, len(self.hits) - 1)
 
     def alpha(self, match: int, k: int) -> float:
         b, k = self.bucket(match), min(k, len(self.hits[0]) - 1)
@@ -75,7 +79,20 @@ class PositionAcceptance:
             self.hits[b][k] += k < accepted
 
 
+def expected_tokens(alphas: list[float]) -> float:
+    """Tokens a step emits in expectation when draft k is accepted with probability alphas[k] given the
+    drafts before it were: 1 (the recovered or bonus token) + Σ_k Π_j≤k alphas[j]."""
+    total, path = 1.0, 1.0
+    for a in alphas:
+        path *= a
+        total += path
+    return total
+
+
 MODEL_PRIOR = ACCEPTANCE_PRIOR   # a model's per-token acceptance assumed where its drafter carries no record
+# A request's own model drafts weigh in against the measured figure of all requests as if the latter were
+# this many observations per position: a request's first few outcomes move its estimate, not decide it.
+MODEL_SHRINK = 4.0
 
 
 @dataclass
@@ -88,7 +105,8 @@ class _Request:
     greedy: bool = True                           # its sampling, as draft_hints last saw it
     decided: tuple[SuffixDraft, str | None] | None = None   # draft_hints' choice for the next propose
     fallback: tuple[SuffixDraft, str] | None = None          # its lookup draft where it chose the model
-    model_alpha: float = MODEL_PRIOR              # per-token acceptance of model-drafted steps (EMA)
+    model_hits: list[float] = field(default_factory=list)    # this request's model drafts accepted
+    model_trials: list[float] = field(default_factory=list)  # and reached, per draft position
 
 
 @register_drafter("suffix")
@@ -125,6 +143,9 @@ class SuffixDrafter(Drafter):
         self.measured = {True: PositionAcceptance(max_depth), False: PositionAcceptance(max_depth)}
         # the version recorded for steps the suffix index drafted (model-drafted steps: the model's)
         self.suffix_version = f"suffix-{self.max_depth}"
+        self._model_version: str | None = None
+        self.model_measured: dict[bool, PositionAcceptance] = {}
+        self._follow_model_version()
 
     @property
     def version(self) -> str:
@@ -202,7 +223,7 @@ class SuffixDrafter(Drafter):
         tokens = [int(t) for t in prompt_tokens]
         index = ContextIndex(self.max_depth)
         index.extend(tokens)
-        self.requests[request_id] = _Request(tokens, index, model_alpha=self.model_prior)
+        self.requests[request_id] = _Request(tokens, index)
 
     def commit(self, request_id, num_accepted, new_tokens, hidden=None) -> None:
         req = self.requests[request_id]
@@ -217,10 +238,15 @@ class SuffixDrafter(Drafter):
                 if req.source != "model":
                     self.measured[req.greedy].observe(req.last_match, req.last_drafted, num_accepted)
             if req.source == "model":
-                drafted = req.last_drafted
-                trials = num_accepted + (1 if num_accepted < drafted else 0)
-                if trials:
-                    req.model_alpha = 0.7 * req.model_alpha + 0.3 * num_accepted / trials
+                self._follow_model_version()
+                self.model_measured[req.greedy].observe(0, req.last_drafted, num_accepted)
+                reached = min(num_accepted + (1 if num_accepted < req.last_drafted else 0), self.max_depth)
+                while len(req.model_trials) < reached:
+                    req.model_trials.append(0.0)
+                    req.model_hits.append(0.0)
+                for k in range(reached):
+                    req.model_trials[k] += 1
+                    req.model_hits[k] += k < num_accepted
             req.source = None
         new = [int(t) for t in new_tokens]
         req.tokens += new
@@ -265,15 +291,59 @@ class SuffixDrafter(Drafter):
         glob = self.global_index.draft(ctx, depth, **kw)
         return (glob, "global") if glob.score > local.score else (local, "local")
 
+    def _suffix_alphas(self, draft: SuffixDraft, greedy: bool) -> list[float]:
+        """The suffix draft's predicted acceptance per position, P(draft k accepted | drafts before it
+        were): the index's conditional frequency times what suffix drafts of that match length were
+        measured to achieve at that position (the frequencies alone overrate rare continuations)."""
+        measured, alpha, prev = self.measured[greedy], [], 1.0
+        for k, path in enumerate(draft.probs):
+            alpha.append(min(1.0, path / prev) * measured.alpha(draft.match, k))
+            prev = path
+        return alpha
+
+    def _model_alphas(self, req: _Request, depth: int) -> list[float]:
+        """The model draft's predicted acceptance per position for this request: the model's measured
+        acceptance at that position over all requests (its version's held-out figure until it has
+        drafted), shrunk toward what it got in this request (pseudo-counts: MODEL_SHRINK requests' worth)."""
+        self._follow_model_version()
+        measured = self.model_measured[req.greedy]
+        out = []
+        for k in range(depth):
+            prior = measured.alpha(0, k)
+            hits = req.model_hits[k] if k < len(req.model_hits) else 0.0
+            trials = req.model_trials[k] if k < len(req.model_trials) else 0.0
+            out.append((hits + MODEL_SHRINK * prior) / (trials + MODEL_SHRINK))
+        return out
+
     def _prefers_suffix(self, draft: SuffixDraft, depth: int, req: _Request) -> bool:
-        """Expected tokens per unit of cost: suffix (1 + score) / 1 vs model (1 + Σ α^k) / (1 + c·depth)."""
+        """Expected tokens per unit of cost: the suffix draft's (1 + Σ_k Π_j≤k α_j) against the model
+        draft's best over its lengths d ≤ depth, (1 + Σ_k<d Π_j≤k α_j) / (1 + c·d). Both from measured
+        acceptance per position: the model's at its best length, not at the plan's cap (a model draft
+        priced at eight positions where the later ones are rarely accepted lost to any suffix match), and
+        the suffix draft's calibrated, not its raw frequencies."""
         if not draft.tokens:
             return False
         if self.model is None:
             return True
-        alpha = req.model_alpha
-        model_tokens = 1.0 + sum(alpha ** k for k in range(1, depth + 1))
-        return 1.0 + draft.score >= model_tokens / (1.0 + self.model_cost * depth)
+        return expected_tokens(self._suffix_alphas(draft, req.greedy)) >= self._model_value(req, depth)
+
+    def _model_value(self, req: _Request, depth: int) -> float:
+        best, tokens, path = 1.0, 1.0, 1.0
+        for d, alpha in enumerate(self._model_alphas(req, depth), start=1):
+            path *= alpha
+            tokens += path
+            best = max(best, tokens / (1.0 + self.model_cost * d))
+        return best
+
+    def _follow_model_version(self) -> None:
+        """A hot swap replaced the model drafter's weights: its measured acceptance restarts from the new
+        version's held-out figure (MODEL_PRIOR where it has none)."""
+        version = self.model.version if self.model is not None else None
+        if version != self._model_version:
+            self._model_version = version
+            prior = self.model_prior
+            self.model_measured = {g: PositionAcceptance(self.max_depth, first=prior, later=prior,
+                                                         buckets=1) for g in (True, False)}
 
     def _choose(self, request_ids, depths, width: int | list[int]):
         """(draft, source) per request; source None: the model drafts. A choice draft_hints made for the
@@ -311,20 +381,20 @@ class SuffixDrafter(Drafter):
             if not draft.tokens:
                 hints.append(None)
                 continue
-            measured = self.measured[req.greedy]
-            alpha, prev = [], 1.0
-            for k, path in enumerate(draft.probs):
-                alpha.append(min(1.0, path / prev) * measured.alpha(draft.match, k))
-                prev = path
-            hints.append(DraftHint(alpha, free=True, fallback=not prefers))
+            hints.append(DraftHint(self._suffix_alphas(draft, req.greedy), free=True, fallback=not prefers))
         return hints
 
     def use_fallback(self, request_ids: list[str]) -> None:
+        """The plan chose the lookup draft over the model's. Through Ray the plan was made from the previous
+        step's hints, and this step's (draft_hints, just before) may disagree: where the index now drafts
+        anyway its draft stays; where it has no lookup draft now, nothing is drafted (the plan priced no
+        model forward for the request)."""
         for rid in request_ids:
             req = self.requests[rid]
-            if req.fallback is None:
-                raise ValueError(f"request {rid!r} has no fallback draft this step")
-            req.decided, req.fallback = req.fallback, None
+            if req.fallback is not None:
+                req.decided, req.fallback = req.fallback, None
+            elif req.decided is None or req.decided[1] is None:
+                req.decided = (SuffixDraft(), "local")
 
     def _record(self, request_id: str, source: str | None, drafted: int, match: int = 0) -> None:
         req = self.requests[request_id]
