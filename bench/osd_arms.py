@@ -12,7 +12,8 @@ one at a time, greedy, `ignore_eos` so both produce the same number of tokens: t
 wall times is that prompt's speed-up), the stream (`--clients` streaming clients; each request's α,
 tokens per step and drafting versions), then held-out speed after the stream on a disjoint set of
 held-out prompts (the held-out split's first half before, second half after, so the suffix index has
-not seen the "after" prompts' answers). Versions published and failed requests are counted. `--json`
+not seen the "after" prompts' answers). Held-out requests ask for no replay record (`skip_replay`), so
+each trainer learns from the stream alone. Versions published and failed requests are counted. `--json`
 writes every row; `--plot` draws every arm's tokens per step over the stream with its publish events,
 and the held-out speed-ups before and after.
 
@@ -66,8 +67,10 @@ async def heldout_speed(address: str, prompts: list[Any], max_new_tokens: int, d
             for mode, on in (("on", True), ("off", False)):
                 t0 = time.perf_counter()
                 try:
+                    # skip_replay: the held-out prompts never reach the trainer, before the stream or after
                     out = await client.generate(messages=chat_messages(prompt), max_new_tokens=max_new_tokens,
-                                                ignore_eos=True, temperature=0.0, speculation=on)
+                                                ignore_eos=True, temperature=0.0, speculation=on,
+                                                skip_replay=True)
                 except Exception as exc:  # a failed request is a result of the benchmark, not its end
                     failed += 1
                     row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"

@@ -93,12 +93,13 @@ def build_request(
     gamma_policy: str = "",
     request_id: str = "",
     domain: str = "",
+    skip_replay: bool = False,
 ) -> serving_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; unset options take the server's defaults."""
     inputs = [x is not None for x in (prompt, messages, text, token_ids)]
     if sum(inputs) != 1:
         raise ValueError("pass exactly one of prompt, messages, text or token_ids")
-    req = serving_pb2.GenerateRequest(request_id=request_id, domain=domain)
+    req = serving_pb2.GenerateRequest(request_id=request_id, domain=domain, skip_replay=skip_replay)
     if prompt is not None:
         messages = [{"role": "user", "content": prompt}]
     if messages is not None:

@@ -79,7 +79,9 @@ class HealthProber:
         """True = serving works, False = it failed, None = no verdict (queue full or went idle)."""
         if self.scheduler.running() or self.scheduler.waiting():
             return await self._progress()
-        new = NewRequest(f"health-{uuid.uuid4().hex}", self.prompt, SamplingParams(), 2, self.spec)
+        # a probe is not traffic: it leaves no replay record for the trainer to learn from
+        new = NewRequest(f"health-{uuid.uuid4().hex}", self.prompt, SamplingParams(), 2, self.spec,
+                         replay=False)
         try:
             _, fin = await asyncio.wait_for(self.scheduler.generate(new, ignore_eos=True), self.timeout_s)
         except QueueFull:

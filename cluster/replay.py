@@ -58,6 +58,8 @@ class ReplayRecorder(SchedulerObserver):
             self._done.popitem(last=False)
         if seq.request_id.startswith(self.skip_prefixes) or not seq.output:
             return
+        if not getattr(seq.request, "replay", True):
+            return      # the client asked for no record (GenerateRequest.skip_replay)
         record = build_record(seq, history.steps if history else [], self.target_checksum)
         self.writer.submit(record)
 

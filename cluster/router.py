@@ -173,7 +173,7 @@ class SpecdServicer(serving_pb2_grpc.SpecdServicer):
         stop_ids = () if valid.ignore_eos else b.eos_token_ids
         new = NewRequest(
             rid, valid.prompt_token_ids, valid.sampling, valid.max_new_tokens, valid.spec, stop_ids,
-            domain=valid.domain,
+            domain=valid.domain, replay=not valid.skip_replay,
         )
         try:
             handle = b.scheduler.submit(new, ignore_eos=valid.ignore_eos)

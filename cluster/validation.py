@@ -97,6 +97,7 @@ class ValidRequest:
     ignore_eos: bool
     client_request_id: str
     domain: str = ""
+    skip_replay: bool = False
 
 
 def _prompt(req: serving_pb2.GenerateRequest, bounds: Bounds, codec: TextCodec) -> list[int]:
@@ -241,6 +242,7 @@ def validate_request(
         ignore_eos=req.sampling.ignore_eos,
         client_request_id=req.request_id,
         domain=_domain(req.domain),
+        skip_replay=req.skip_replay,
     )
 
 

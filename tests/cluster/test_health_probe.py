@@ -156,3 +156,36 @@ def test_liveness_serves_while_loading_and_readiness_does_not() -> None:
         lt.run(srv.stop(0))
     finally:
         lt.close()
+
+
+def test_a_probe_leaves_no_replay_record() -> None:
+    """Probes of an idle server are not traffic: the trainer must never learn from them."""
+    from specd.cluster.replay import ReplayRecorder
+
+    class ListWriter:
+        def __init__(self):
+            self.records = []
+
+        def submit(self, record) -> bool:
+            self.records.append(record)
+            return True
+
+    async def main():
+        target = FakeTarget(max_slots=2)
+        recorder = ReplayRecorder(ListWriter())
+        sched = Scheduler([(target, FakeDrafter(target))], capacity=2, max_queue=4, max_running=2,
+                          pipeline_groups=1, eos_token_ids=[EOS], observer=recorder)
+        await sched.start()
+
+        async def set_serving(_on: bool) -> None:
+            return None
+
+        try:
+            prober = HealthProber(sched, [1, 2, 3], SpecParams(), set_serving, period_s=1.0, timeout_s=10.0)
+            assert await prober.probe() is True
+        finally:
+            await sched.stop()
+        return recorder
+
+    recorder = asyncio.run(main())
+    assert recorder.writer.records == [] and recorder.running() == 0

@@ -43,11 +43,13 @@ class ListWriter:
         return True
 
 
-async def _run(sched: Scheduler, tag: str, n_tokens: int, gamma: int = 3, tree: int = 1) -> list[list[int]]:
+async def _run(sched: Scheduler, tag: str, n_tokens: int, gamma: int = 3, tree: int = 1,
+               replay=lambda i: True) -> list[list[int]]:
     async def one(i: int, prompt: list[int]) -> list[int]:
         spec = SpecParams(gamma=gamma, tree_width=tree)
         tokens: list[int] = []
-        new = NewRequest(f"{tag}-{i}", prompt, SamplingParams(), n_tokens, spec, domain=f"d{i % 2}")
+        new = NewRequest(f"{tag}-{i}", prompt, SamplingParams(), n_tokens, spec, domain=f"d{i % 2}",
+                         replay=replay(i))
         async for ev in sched.submit(new, ignore_eos=True):
             if isinstance(ev, TokensEvent):
                 tokens += ev.tokens
@@ -92,6 +94,26 @@ def test_every_finished_request_becomes_an_exact_record(workers, tree):
             assert s.accepted <= len(s.drafted)
             if tree > 1 and s.drafted:
                 assert len(s.parents) == len(s.drafted)
+
+
+def test_a_request_that_asks_for_no_record_leaves_none(workers):
+    """GenerateRequest.skip_replay (NewRequest.replay False): served like any other, never recorded, and
+    the recorder forgets its steps."""
+    writer = ListWriter()
+    recorder = ReplayRecorder(writer)
+
+    async def main():
+        sched = _scheduler(workers, recorder)
+        await sched.start()
+        try:
+            return await _run(sched, "skip", 12, replay=lambda i: i % 2 == 0)
+        finally:
+            await sched.stop()
+
+    outputs = asyncio.run(main())
+    assert all(len(out) == 12 for out in outputs)
+    assert sorted(r.request_id for r in writer.records) == ["skip-0", "skip-2"]
+    assert recorder.running() == 0
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")

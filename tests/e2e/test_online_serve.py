@@ -106,6 +106,26 @@ def test_swaps_while_streaming_keep_greedy_output_exact(server) -> None:
     assert (server["store"] / "CURRENT").is_file()
 
 
+def test_a_request_that_asks_for_no_record_leaves_none(server) -> None:
+    """GenerateRequest.skip_replay through the real server: the request is served and nothing reaches
+    Redis for it. The writer is first in, first out, so once the plain request after it is written, a
+    record of the first would have been too."""
+    c, port = server["client"], server["handle"].metrics_port
+
+    def written() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return _metric(text, "specd_replay_records_written_total")
+
+    before = written()
+    assert len(c.generate(prompt=PROMPTS[2], max_new_tokens=8, skip_replay=True).token_ids) > 0
+    c.generate(prompt=PROMPTS[3], max_new_tokens=8)
+    deadline = time.monotonic() + 60
+    while written() < before + 1:
+        assert time.monotonic() < deadline, "the plain request's record was never written"
+        time.sleep(0.2)
+    assert written() == before + 1
+
+
 def _descendants(cmd_prefix: str) -> list:
     """Processes under this one (the server runs in-process: redis-server and Ray's workers are below it)
     whose command line starts with `cmd_prefix`."""

@@ -93,6 +93,7 @@ class NewRequest:
     spec: SpecParams = field(default_factory=SpecParams)
     stop_token_ids: tuple[int, ...] = ()
     domain: str = ""              # the client's traffic tag, for replay records ("" = none)
+    replay: bool = True           # False: the request leaves no replay record (the client asked)
 
 
 @dataclass

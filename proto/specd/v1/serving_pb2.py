@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/serving.proto\x12\x08specd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe5\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x11\n\x0f_max_new_tokensB\x07\n\x05_seed\"\x92\x01\n\x12SpeculationOptions\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05gamma\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x17\n\ntree_width\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x14\n\x0cgamma_policy\x18\x04 \x01(\tB\n\n\x08_enabledB\x08\n\x06_gammaB\r\n\x0b_tree_width\"\xfc\x01\n\x0fGenerateRequest\x12#\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x13.specd.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.specd.v1.SamplingOptions\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specd.v1.SpeculationOptions\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0e\n\x06\x64omain\x18\x07 \x01(\tB\x07\n\x05input\"\xa8\x03\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\r\x12\x11\n\trecovered\x18\x06 \x01(\r\x12\r\n\x05\x62onus\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x01\x12\x17\n\x0ftokens_per_step\x18\t \x01(\x01\x12\x18\n\x10\x64rafter_versions\x18\n \x03(\t\x12\x1c\n\x14\x64rafted_per_position\x18\x0b \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x0c \x03(\r\x12\x1d\n\x15time_to_first_token_s\x18\r \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x0e \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x0f \x01(\x01\x12\x0f\n\x07replica\x18\x10 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x11 \x01(\x01\x12\x16\n\x0e\x64rafting_steps\x18\x12 \x01(\r\"\x96\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\"(\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"d\n\x05\x46inal\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\"x\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x0f.specd.v1.DeltaH\x00\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x0f.specd.v1.FinalH\x00\x42\x06\n\x04kind\"%\n\x10SetConfigRequest\x12\x11\n\toverrides\x18\x01 \x03(\t\"\xe6\x01\n\x11SetConfigResponse\x12\x39\n\x07\x63hanged\x18\x01 \x03(\x0b\x32(.specd.v1.SetConfigResponse.ChangedEntry\x12\x37\n\x06\x63onfig\x18\x02 \x03(\x0b\x32\'.specd.v1.SetConfigResponse.ConfigEntry\x1a.\n\x0c\x43hangedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ServerInfoRequest\"\x83\x02\n\x0bWorkerStats\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x17\n\x0f\x64rafter_version\x18\x02 \x01(\t\x12\x1c\n\x14target_busy_fraction\x18\x03 \x01(\x01\x12\x1d\n\x15\x64rafter_busy_fraction\x18\x04 \x01(\x01\x12\x18\n\x10overlap_fraction\x18\x05 \x01(\x01\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x12\n\nfree_slots\x18\x07 \x01(\r\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\x15\n\rtarget_busy_s\x18\t \x01(\x01\x12\x16\n\x0e\x64rafter_busy_s\x18\n \x01(\x01\x12\x10\n\x08\x61\x63tive_s\x18\x0b \x01(\x01\"\xae\x05\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\x12\x1e\n\x16max_new_tokens_default\x18\x04 \x01(\r\x12\x1a\n\x12max_new_tokens_cap\x18\x05 \x01(\r\x12\x17\n\x0ftemperature_max\x18\x06 \x01(\x02\x12\x1b\n\x13speculation_enabled\x18\x07 \x01(\x08\x12\x15\n\rgamma_default\x18\x08 \x01(\r\x12\x11\n\tgamma_min\x18\t \x01(\r\x12\x11\n\tgamma_max\x18\n \x01(\r\x12\x16\n\x0etree_width_max\x18\x0b \x01(\r\x12\x16\n\x0egamma_policies\x18\x0c \x03(\t\x12\x10\n\x08replicas\x18\r \x01(\r\x12\x17\n\x0fpipeline_groups\x18\x0e \x01(\r\x12\x11\n\tmax_queue\x18\x0f \x01(\r\x12\x0f\n\x07waiting\x18\x10 \x01(\r\x12\x0f\n\x07running\x18\x11 \x01(\r\x12\x19\n\x11requests_finished\x18\x12 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x13 \x01(\x04\x12\x0f\n\x07\x64rafted\x18\x14 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x15 \x01(\x04\x12&\n\x07workers\x18\x16 \x03(\x0b\x32\x15.specd.v1.WorkerStats\x12\x1c\n\x14gamma_policy_default\x18\x17 \x01(\t\x12\x1a\n\x12tree_width_default\x18\x18 \x01(\r\x12\x38\n\x06\x63onfig\x18\x19 \x03(\x0b\x32(.specd.v1.ServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xe4\x01\n\x05Specd\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a .specd.v1.GenerateStreamResponse0\x01\x12G\n\nServerInfo\x12\x1b.specd.v1.ServerInfoRequest\x1a\x1c.specd.v1.ServerInfoResponse2R\n\nSpecdAdmin\x12\x44\n\tSetConfig\x12\x1a.specd.v1.SetConfigRequest\x1a\x1b.specd.v1.SetConfigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/serving.proto\x12\x08specd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\tChatInput\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe5\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x11\n\x0f_max_new_tokensB\x07\n\x05_seed\"\x92\x01\n\x12SpeculationOptions\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05gamma\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x17\n\ntree_width\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x14\n\x0cgamma_policy\x18\x04 \x01(\tB\n\n\x08_enabledB\x08\n\x06_gammaB\r\n\x0b_tree_width\"\x91\x02\n\x0fGenerateRequest\x12#\n\x04\x63hat\x18\x01 \x01(\x0b\x32\x13.specd.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.specd.v1.SamplingOptions\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specd.v1.SpeculationOptions\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0e\n\x06\x64omain\x18\x07 \x01(\t\x12\x13\n\x0bskip_replay\x18\x08 \x01(\x08\x42\x07\n\x05input\"\xa8\x03\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\r\x12\x11\n\trecovered\x18\x06 \x01(\r\x12\r\n\x05\x62onus\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x01\x12\x17\n\x0ftokens_per_step\x18\t \x01(\x01\x12\x18\n\x10\x64rafter_versions\x18\n \x03(\t\x12\x1c\n\x14\x64rafted_per_position\x18\x0b \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x0c \x03(\r\x12\x1d\n\x15time_to_first_token_s\x18\r \x01(\x01\x12\x14\n\x0ctotal_time_s\x18\x0e \x01(\x01\x12\x14\n\x0cqueue_time_s\x18\x0f \x01(\x01\x12\x0f\n\x07replica\x18\x10 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x11 \x01(\x01\x12\x16\n\x0e\x64rafting_steps\x18\x12 \x01(\r\"\x96\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.specd.v1.Usage\"(\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"d\n\x05\x46inal\x12-\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x16.specd.v1.FinishReason\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12\x0c\n\x04text\x18\x03 \x01(\t\"x\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x0f.specd.v1.DeltaH\x00\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x0f.specd.v1.FinalH\x00\x42\x06\n\x04kind\"%\n\x10SetConfigRequest\x12\x11\n\toverrides\x18\x01 \x03(\t\"\xe6\x01\n\x11SetConfigResponse\x12\x39\n\x07\x63hanged\x18\x01 \x03(\x0b\x32(.specd.v1.SetConfigResponse.ChangedEntry\x12\x37\n\x06\x63onfig\x18\x02 \x03(\x0b\x32\'.specd.v1.SetConfigResponse.ConfigEntry\x1a.\n\x0c\x43hangedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ServerInfoRequest\"\x83\x02\n\x0bWorkerStats\x12\x0f\n\x07replica\x18\x01 \x01(\r\x12\x17\n\x0f\x64rafter_version\x18\x02 \x01(\t\x12\x1c\n\x14target_busy_fraction\x18\x03 \x01(\x01\x12\x1d\n\x15\x64rafter_busy_fraction\x18\x04 \x01(\x01\x12\x18\n\x10overlap_fraction\x18\x05 \x01(\x01\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x12\n\nfree_slots\x18\x07 \x01(\r\x12\r\n\x05steps\x18\x08 \x01(\x04\x12\x15\n\rtarget_busy_s\x18\t \x01(\x01\x12\x16\n\x0e\x64rafter_busy_s\x18\n \x01(\x01\x12\x10\n\x08\x61\x63tive_s\x18\x0b \x01(\x01\"\xae\x05\n\x12ServerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x03 \x01(\r\x12\x1e\n\x16max_new_tokens_default\x18\x04 \x01(\r\x12\x1a\n\x12max_new_tokens_cap\x18\x05 \x01(\r\x12\x17\n\x0ftemperature_max\x18\x06 \x01(\x02\x12\x1b\n\x13speculation_enabled\x18\x07 \x01(\x08\x12\x15\n\rgamma_default\x18\x08 \x01(\r\x12\x11\n\tgamma_min\x18\t \x01(\r\x12\x11\n\tgamma_max\x18\n \x01(\r\x12\x16\n\x0etree_width_max\x18\x0b \x01(\r\x12\x16\n\x0egamma_policies\x18\x0c \x03(\t\x12\x10\n\x08replicas\x18\r \x01(\r\x12\x17\n\x0fpipeline_groups\x18\x0e \x01(\r\x12\x11\n\tmax_queue\x18\x0f \x01(\r\x12\x0f\n\x07waiting\x18\x10 \x01(\r\x12\x0f\n\x07running\x18\x11 \x01(\r\x12\x19\n\x11requests_finished\x18\x12 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x13 \x01(\x04\x12\x0f\n\x07\x64rafted\x18\x14 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x15 \x01(\x04\x12&\n\x07workers\x18\x16 \x03(\x0b\x32\x15.specd.v1.WorkerStats\x12\x1c\n\x14gamma_policy_default\x18\x17 \x01(\t\x12\x1a\n\x12tree_width_default\x18\x18 \x01(\r\x12\x38\n\x06\x63onfig\x18\x19 \x03(\x0b\x32(.specd.v1.ServerInfoResponse.ConfigEntry\x1a-\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xe4\x01\n\x05Specd\x12\x41\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x19.specd.v1.GenerateRequest\x1a .specd.v1.GenerateStreamResponse0\x01\x12G\n\nServerInfo\x12\x1b.specd.v1.ServerInfoRequest\x1a\x1c.specd.v1.ServerInfoResponse2R\n\nSpecdAdmin\x12\x44\n\tSetConfig\x12\x1a.specd.v1.SetConfigRequest\x1a\x1b.specd.v1.SetConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETCONFIGRESPONSE_CONFIGENTRY']._serialized_options = b'8\001'
   _globals['_SERVERINFORESPONSE_CONFIGENTRY']._loaded_options = None
   _globals['_SERVERINFORESPONSE_CONFIGENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2888
-  _globals['_FINISHREASON']._serialized_end=3035
+  _globals['_FINISHREASON']._serialized_start=2909
+  _globals['_FINISHREASON']._serialized_end=3056
   _globals['_CHATMESSAGE']._serialized_start=36
   _globals['_CHATMESSAGE']._serialized_end=80
   _globals['_CHATINPUT']._serialized_start=82
@@ -50,35 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATIONOPTIONS']._serialized_start=394
   _globals['_SPECULATIONOPTIONS']._serialized_end=540
   _globals['_GENERATEREQUEST']._serialized_start=543
-  _globals['_GENERATEREQUEST']._serialized_end=795
-  _globals['_USAGE']._serialized_start=798
-  _globals['_USAGE']._serialized_end=1222
-  _globals['_GENERATERESPONSE']._serialized_start=1225
-  _globals['_GENERATERESPONSE']._serialized_end=1375
-  _globals['_DELTA']._serialized_start=1377
-  _globals['_DELTA']._serialized_end=1417
-  _globals['_FINAL']._serialized_start=1419
-  _globals['_FINAL']._serialized_end=1519
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1521
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1641
-  _globals['_SETCONFIGREQUEST']._serialized_start=1643
-  _globals['_SETCONFIGREQUEST']._serialized_end=1680
-  _globals['_SETCONFIGRESPONSE']._serialized_start=1683
-  _globals['_SETCONFIGRESPONSE']._serialized_end=1913
-  _globals['_SETCONFIGRESPONSE_CHANGEDENTRY']._serialized_start=1820
-  _globals['_SETCONFIGRESPONSE_CHANGEDENTRY']._serialized_end=1866
-  _globals['_SETCONFIGRESPONSE_CONFIGENTRY']._serialized_start=1868
-  _globals['_SETCONFIGRESPONSE_CONFIGENTRY']._serialized_end=1913
-  _globals['_SERVERINFOREQUEST']._serialized_start=1915
-  _globals['_SERVERINFOREQUEST']._serialized_end=1934
-  _globals['_WORKERSTATS']._serialized_start=1937
-  _globals['_WORKERSTATS']._serialized_end=2196
-  _globals['_SERVERINFORESPONSE']._serialized_start=2199
-  _globals['_SERVERINFORESPONSE']._serialized_end=2885
-  _globals['_SERVERINFORESPONSE_CONFIGENTRY']._serialized_start=1868
-  _globals['_SERVERINFORESPONSE_CONFIGENTRY']._serialized_end=1913
-  _globals['_SPECD']._serialized_start=3038
-  _globals['_SPECD']._serialized_end=3266
-  _globals['_SPECDADMIN']._serialized_start=3268
-  _globals['_SPECDADMIN']._serialized_end=3350
+  _globals['_GENERATEREQUEST']._serialized_end=816
+  _globals['_USAGE']._serialized_start=819
+  _globals['_USAGE']._serialized_end=1243
+  _globals['_GENERATERESPONSE']._serialized_start=1246
+  _globals['_GENERATERESPONSE']._serialized_end=1396
+  _globals['_DELTA']._serialized_start=1398
+  _globals['_DELTA']._serialized_end=1438
+  _globals['_FINAL']._serialized_start=1440
+  _globals['_FINAL']._serialized_end=1540
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1542
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1662
+  _globals['_SETCONFIGREQUEST']._serialized_start=1664
+  _globals['_SETCONFIGREQUEST']._serialized_end=1701
+  _globals['_SETCONFIGRESPONSE']._serialized_start=1704
+  _globals['_SETCONFIGRESPONSE']._serialized_end=1934
+  _globals['_SETCONFIGRESPONSE_CHANGEDENTRY']._serialized_start=1841
+  _globals['_SETCONFIGRESPONSE_CHANGEDENTRY']._serialized_end=1887
+  _globals['_SETCONFIGRESPONSE_CONFIGENTRY']._serialized_start=1889
+  _globals['_SETCONFIGRESPONSE_CONFIGENTRY']._serialized_end=1934
+  _globals['_SERVERINFOREQUEST']._serialized_start=1936
+  _globals['_SERVERINFOREQUEST']._serialized_end=1955
+  _globals['_WORKERSTATS']._serialized_start=1958
+  _globals['_WORKERSTATS']._serialized_end=2217
+  _globals['_SERVERINFORESPONSE']._serialized_start=2220
+  _globals['_SERVERINFORESPONSE']._serialized_end=2906
+  _globals['_SERVERINFORESPONSE_CONFIGENTRY']._serialized_start=1889
+  _globals['_SERVERINFORESPONSE_CONFIGENTRY']._serialized_end=1934
+  _globals['_SPECD']._serialized_start=3059
+  _globals['_SPECD']._serialized_end=3287
+  _globals['_SPECDADMIN']._serialized_start=3289
+  _globals['_SPECDADMIN']._serialized_end=3371
 # @@protoc_insertion_point(module_scope)
