@@ -271,7 +271,9 @@ def _line(row: dict[str, Any]) -> str:
             f"propose {p['propose']:.3f}, verify {p['verify']:.3f}, "
             f"rest {p['rest']:.3f}), {row['tokens_per_step']:.2f} tokens/step, load {row['load_average'][0]}"
             + (f", GPU busy {row['gpu_busy_ms_per_step']:.3f} of {row['gpu_wall_ms_per_step']:.3f} ms"
-               if "gpu_busy_ms_per_step" in row else ""))
+               if "gpu_busy_ms_per_step" in row else "")
+            + (f", actors busy: drafter {row['actor_busy_ms']['drafter']:.3f}, "
+               f"target {row['actor_busy_ms']['target']:.3f} ms" if "actor_busy_ms" in row else ""))
 
 
 def write_overhead_plot(path: Path, rows: list[dict[str, Any]]) -> Path:

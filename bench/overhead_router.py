@@ -85,22 +85,39 @@ async def _cell(cluster, cfg, system: str, batch: int, steps: int, warmup: int, 
             pass
 
     tasks = [asyncio.create_task(drain(s)) for s in streams]
+    busy0 = busy1 = None
     try:
         while len(clock.steps) < warmup + steps:
             if all(t.done() for t in tasks):
                 raise RuntimeError("requests ended before the timed steps: fewer --steps")
+            if busy0 is None and len(clock.steps) >= warmup:
+                busy0 = (len(clock.steps), await _busy(rep))
             await asyncio.sleep(0.05)
+        busy1 = (len(clock.steps), await _busy(rep))
     finally:
         await scheduler.stop()
         await asyncio.gather(*tasks, return_exceptions=True)
     timed = clock.steps[warmup:warmup + steps]
+    # Each actor's own seconds inside its calls (TargetWorker/DraftWorker.busy_seconds), per step: what
+    # the step's wall time leaves to Ray's transport and the processes' contention for the CPUs.
+    n0, (d0, t0) = busy0 or (0, (0.0, 0.0))
+    n1, (d1, t1) = busy1
+    per_step = max(n1 - n0, 1)
     return {
         "system": system, "batch": batch, "where": "router",
         "host_ms_per_step": median_ms([s[0] for s in timed]), "clock": "wall time",
         "phases_ms": {"propose": median_ms([s[1] for s in timed]), "verify": median_ms([s[2] for s in timed]),
                       "rest": median_ms([s[0] - s[1] - s[2] for s in timed])},
         "steps": len(timed), "tokens_per_step": round(sum(s[3] for s in timed) / max(len(timed), 1), 3),
+        "actor_busy_ms": {"drafter": round((d1 - d0) / per_step * 1e3, 3),
+                          "target": round((t1 - t0) / per_step * 1e3, 3)},
     }
+
+
+async def _busy(rep) -> tuple[float, float]:
+    """(drafter, target) busy seconds so far; a replica without a drafter counts 0 for it."""
+    drafter = float(await rep.drafter.busy_seconds.remote()) if rep.drafter is not None else 0.0
+    return drafter, float(await rep.target.busy_seconds.remote())
 
 
 def run_router_cells(cfg, systems: list[str], batch_sizes: list[int], steps: int, warmup: int, free: bool,

@@ -86,6 +86,9 @@ def test_router_cells_run_through_ray_actors(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["where"]) for r in rows] == [("target-only", "router"), ("chain", "router")]
     assert rows[1]["tokens_per_step"] == 4 and rows[1]["phases_ms"]["propose"] > 0
+    busy = [r["actor_busy_ms"] for r in rows]
+    assert busy[0]["drafter"] == 0 and busy[0]["target"] > 0     # target-only never calls the drafter
+    assert busy[1]["drafter"] > 0 and busy[1]["target"] > 0
 
 
 def test_unknown_system_is_refused():
