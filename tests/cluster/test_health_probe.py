@@ -160,15 +160,9 @@ def test_liveness_serves_while_loading_and_readiness_does_not() -> None:
 
 def test_a_probe_leaves_no_replay_record() -> None:
     """Probes of an idle server are not traffic: the trainer must never learn from them."""
+    from test_replay_serving import ListWriter
+
     from specd.cluster.replay import ReplayRecorder
-
-    class ListWriter:
-        def __init__(self):
-            self.records = []
-
-        def submit(self, record) -> bool:
-            self.records.append(record)
-            return True
 
     async def main():
         target = FakeTarget(max_slots=2)
