@@ -60,15 +60,19 @@ class _StepClock:
 
 async def _cell(cluster, cfg, system: str, batch: int, steps: int, warmup: int, groups: int,
                 salt: int) -> dict[str, Any]:
+    from specd.cluster.actors import replica_handles
+    from specd.cluster.compiled_calls import wait_compiled
     from specd.cluster.scheduler import Scheduler
     from specd.workers.core.sampling import SamplingParams
     from specd.workers.engine.types import NewRequest
 
     _, spec = system_setup(system, cfg.spec)
     rep = cluster.replicas[0]
-    scheduler = Scheduler([(rep.target, rep.drafter)], capacity=batch, max_queue=batch, max_running=batch,
+    handles = replica_handles(cluster, cfg.ray.compiled_calls, cfg.ray.compiled_calls_idle_s)[:1]
+    scheduler = Scheduler(handles, capacity=batch, max_queue=batch, max_running=batch,
                           pipeline_groups=groups, eos_token_ids=(), guard_window_steps=0)
     await scheduler.start()
+    await wait_compiled([h for pair in handles for h in pair])   # time the graph, not plain calls
     clock = _StepClock()
     for r in scheduler.replicas:
         clock.wrap_handle(r.target, "verify")
@@ -104,7 +108,7 @@ async def _cell(cluster, cfg, system: str, batch: int, steps: int, warmup: int, 
     n1, (d1, t1) = busy1
     per_step = max(n1 - n0, 1)
     return {
-        "system": system, "batch": batch, "where": "router",
+        "system": system, "batch": batch, "where": "router", "compiled_calls": bool(cfg.ray.compiled_calls),
         "host_ms_per_step": median_ms([s[0] for s in timed]), "clock": "wall time",
         "phases_ms": {"propose": median_ms([s[1] for s in timed]), "verify": median_ms([s[2] for s in timed]),
                       "rest": median_ms([s[0] - s[1] - s[2] for s in timed])},

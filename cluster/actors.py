@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.cluster import cpu_affinity
+from specd.cluster.compiled_calls import CompiledCalls, serialised
 from specd.configs.schema import SpecdConfig
 from specd.workers.engine.build import worker_seeds
 
@@ -181,8 +182,9 @@ def create_cluster(
     if target_cls is None or drafter_cls is None:
         default_target, default_drafter = _default_classes()
         target_cls, drafter_cls = target_cls or default_target, drafter_cls or default_drafter
-    target_remote = ray.remote(target_cls)
-    drafter_remote = ray.remote(drafter_cls)
+    # one lock per worker and a dispatch method for the compiled graphs of cluster/compiled_calls.py
+    target_remote = ray.remote(serialised(target_cls))
+    drafter_remote = ray.remote(serialised(drafter_cls))
     tag = f"-{uuid.uuid4().hex[:6]}"        # several servers may share one Ray namespace (tests)
     gpus = node_gpu_count()
     pg = create_placement_group(cfg, name=f"specd{tag}", node_gpus=gpus)
@@ -199,6 +201,22 @@ def create_cluster(
         )
         replicas.append(ReplicaActors(i, target, drafter))
     return Cluster(pg, replicas)
+
+
+def replica_handles(cluster: Cluster, compiled: bool = False, idle_s: float = 10.0) -> list[tuple[Any, Any]]:
+    """The scheduler's (TargetHandle, DrafterHandle) per replica; compiled: their calls go through a
+    compiled graph where the actor shares the router's node (cluster/compiled_calls.py)."""
+    from specd.workers.engine.handles import DrafterHandle, TargetHandle
+
+    out = []
+    for rep in cluster.replicas:
+        pair = []
+        for cls, actor, name in ((TargetHandle, rep.target, f"target-{rep.index}"),
+                                 (DrafterHandle, rep.drafter, f"drafter-{rep.index}")):
+            transport = CompiledCalls(actor, name, idle_s) if compiled else None
+            pair.append(cls(actor, name, "actor", transport))
+        out.append((pair[0], pair[1]))
+    return out
 
 
 def shutdown_cluster(cluster: Cluster) -> None:

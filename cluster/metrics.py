@@ -91,6 +91,10 @@ class SpecdMetrics(SchedulerObserver):
                                   registry=r)
         self.server_insecure = Gauge("specd_server_insecure", "1 while the gRPC port listens off loopback "
                                      "without a bearer token (server.insecure=true)", registry=r)
+        self.compiled_calls = Counter("specd_compiled_graph_calls", "Router calls to a worker that a "
+                                      "compiled Ray graph carried (ray.compiled_calls)",
+                                      ["replica", "worker"], registry=r)
+        self._graph_counts: dict[tuple[str, str], int] = {}
         self._drafter_counts: dict[str, tuple[int, int]] = {}
         self.drafter_version = Gauge("specd_drafter_version_info", "Drafter version a replica last used",
                                      ["replica", "drafter_version"], registry=r)
@@ -193,6 +197,10 @@ class SpecdMetrics(SchedulerObserver):
                 self.drafter_fallback.labels(replica).inc(max(0, now[1] - before[1]))
                 self._drafter_counts[replica] = now
                 self.drafter_down.labels(replica).set(1.0 if s["drafter_down"] else 0.0)
+            for worker, n in s.get("compiled_calls", {}).items():
+                before = self._graph_counts.get((replica, worker), 0)
+                self.compiled_calls.labels(replica, worker).inc(max(0, n - before))
+                self._graph_counts[(replica, worker)] = n
             if "guard_allowed" in s:
                 self._set_guard(replica, s)
             if "vllm_unfinished" in s:

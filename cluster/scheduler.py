@@ -422,6 +422,8 @@ class Scheduler(Admission):
                 "drafter_failures": sum(st.drafter_failures for st in steps),
                 "drafter_fallback_requests": sum(st.fallback_requests for st in steps),
                 "drafter_down": any(st.drafter_down_since is not None for st in steps),
+                # calls a compiled graph carried (ray.compiled_calls; cluster/compiled_calls.py)
+                "compiled_calls": {"target": _graph_calls(rep.target), "drafter": _graph_calls(rep.drafter)},
                 "guarded_steps": steps[0].guarded_steps if steps else 0,   # the groups share one planner
                 **(steps[0].guard.stats() if steps and steps[0].guard is not None else {}),
             })
@@ -435,6 +437,10 @@ def is_dead_actor(exc: BaseException) -> bool:
     except ImportError:
         return False
     return isinstance(exc, RayActorError | ActorUnavailableError)
+
+
+def _graph_calls(handle: Any) -> int:
+    return int(getattr(handle.transport, "compiled_calls", 0))
 
 
 def _as_handle(cls: type, worker: Any, name: str) -> Any:

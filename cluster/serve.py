@@ -172,8 +172,10 @@ async def _bring_up(
     if vllm:
         res.scheduler = vllm_scheduler(cfg, res, capacity, info, observer)
     else:
+        from specd.cluster.actors import replica_handles
+
         res.scheduler = Scheduler(
-            [(r.target, r.drafter) for r in res.cluster.replicas],
+            replica_handles(res.cluster, cfg.ray.compiled_calls, cfg.ray.compiled_calls_idle_s),
             capacity=capacity,
             max_queue=cfg.server.max_queue,
             max_running=cfg.server.max_running,

@@ -252,6 +252,11 @@ class RayConfig:
     address: str | None = None          # None = start a local Ray cluster (the embedded default)
     namespace: str = "specd"            # Ray namespace of specd's named actors
     include_dashboard: bool = False     # start the Ray dashboard with a local cluster
+    # the router's calls to a worker on its own node go through a compiled graph: shared memory, about
+    # 0.25 ms a round trip against ~1 ms for a plain actor call, but Ray's channel reads spin a CPU core
+    # per worker while it waits (cluster/compiled_calls.py); for hosts with cores to spare
+    compiled_calls: bool = False
+    compiled_calls_idle_s: float = 10.0   # tear a graph down after this long without calls (0: never)
 
 
 @dataclass

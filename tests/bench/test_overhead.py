@@ -85,10 +85,22 @@ def test_router_cells_run_through_ray_actors(tmp_path):
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["system"], r["where"]) for r in rows] == [("target-only", "router"), ("chain", "router")]
+    assert not any(r["compiled_calls"] for r in rows)            # plain actor calls unless asked
     assert rows[1]["tokens_per_step"] == 4 and rows[1]["phases_ms"]["propose"] > 0
     busy = [r["actor_busy_ms"] for r in rows]
     assert busy[0]["drafter"] == 0 and busy[0]["target"] > 0     # target-only never calls the drafter
     assert busy[1]["drafter"] > 0 and busy[1]["target"] > 0
+
+
+def test_router_cells_time_the_compiled_graph_with_compiled_calls(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "router-compiled.json"
+    rc = overhead.main(["--where", "router", "--systems", "chain", "--batch-sizes", "1", "--steps", "3",
+                        "--warmup", "1", "--json", str(out), "ray.compiled_calls=true"])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["compiled_calls"] is True and row["tokens_per_step"] == 4
+    assert row["actor_busy_ms"]["drafter"] > 0 and row["actor_busy_ms"]["target"] > 0
 
 
 def test_unknown_system_is_refused():

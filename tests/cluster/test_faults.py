@@ -9,9 +9,11 @@ import asyncio
 import time
 
 import fake_workers
+import pytest
 from fake_workers import EOS, target_only
 
 from specd.cluster import actors
+from specd.cluster.compiled_calls import wait_compiled
 from specd.cluster.scheduler import Scheduler
 from specd.configs.schema import SpecdConfig
 from specd.workers.core.sampling import SamplingParams
@@ -22,7 +24,14 @@ def _request(rid: str, first: int, n: int) -> NewRequest:
     return NewRequest(rid, [first], SamplingParams(), n, SpecParams(gamma=3), (EOS,))
 
 
-def test_killed_drafter_requests_finish_target_only_and_speculation_resumes(ray_session) -> None:
+async def _graphs_up(sched: Scheduler, compiled: bool) -> None:
+    """With compiled calls, the kill must hit the graph, not the plain calls made while it compiles."""
+    if compiled:
+        await wait_compiled([h for rep in sched.replicas for h in (rep.target, rep.drafter)])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["remote", "compiled"])
+def test_killed_drafter_requests_finish_target_only_and_speculation_resumes(ray_session, compiled) -> None:
     cfg = SpecdConfig(name="test")
     cfg.drafter.max_restarts = 2
     cluster = actors.create_cluster(cfg, "/nonexistent", fake_workers.RayFakeTarget,
@@ -33,10 +42,10 @@ def test_killed_drafter_requests_finish_target_only_and_speculation_resumes(ray_
         backs.append(replica)
 
     async def main():
-        pairs = [(r.target, r.drafter) for r in cluster.replicas]
-        sched = Scheduler(pairs, capacity=4, max_queue=8, max_running=8, pipeline_groups=1,
-                          eos_token_ids=[EOS], on_drafter_back=drafter_back)
+        sched = Scheduler(actors.replica_handles(cluster, compiled), capacity=4, max_queue=8, max_running=8,
+                          pipeline_groups=1, eos_token_ids=[EOS], on_drafter_back=drafter_back)
         await sched.start()
+        await _graphs_up(sched, compiled)
         running = [asyncio.create_task(sched.generate(_request(f"r{i}", i + 1, 60))) for i in range(3)]
         while sched.tokens_generated < 9:           # every request is mid-stream
             await asyncio.sleep(0.005)
@@ -69,22 +78,23 @@ def test_killed_drafter_requests_finish_target_only_and_speculation_resumes(ray_
     assert not final[0]["drafter_down"]
 
 
-def _two_replicas(ray_session, target_cls):
+def _two_replicas(ray_session, target_cls, compiled: bool = False):
     cfg = SpecdConfig(name="test")
     cfg.target.replicas = 2
     cfg.target.max_restarts = 1
     cluster = actors.create_cluster(cfg, "/nonexistent", target_cls, fake_workers.RayFakeDrafter)
     ray_session.get(cluster.placement_group.ready(), timeout=60)
-    pairs = [(r.target, r.drafter) for r in cluster.replicas]
-    return cluster, Scheduler(pairs, capacity=4, max_queue=8, max_running=8, pipeline_groups=1,
-                              eos_token_ids=[EOS])
+    return cluster, Scheduler(actors.replica_handles(cluster, compiled), capacity=4, max_queue=8,
+                              max_running=8, pipeline_groups=1, eos_token_ids=[EOS])
 
 
-def test_killed_target_streams_end_unavailable_and_the_replica_comes_back(ray_session) -> None:
-    cluster, sched = _two_replicas(ray_session, fake_workers.RayFakeTarget)
+@pytest.mark.parametrize("compiled", [False, True], ids=["remote", "compiled"])
+def test_killed_target_streams_end_unavailable_and_the_replica_comes_back(ray_session, compiled) -> None:
+    cluster, sched = _two_replicas(ray_session, fake_workers.RayFakeTarget, compiled)
 
     async def main():
         await sched.start()
+        await _graphs_up(sched, compiled)
         running = [asyncio.create_task(sched.generate(_request(f"r{i}", i + 1, 60))) for i in range(4)]
         while sched.tokens_generated < 12:
             await asyncio.sleep(0.002)

@@ -1,7 +1,8 @@
 """End to end: the real server (local Ray, gRPC on a free port, SmolLM2 target and drafter).
 
 Checks concurrent unary and streaming greedy requests against target-only decoding, health, reflection,
-a stream cancelled midway (its slots come back), a deadline, every bad input's status, and /metrics.
+a stream cancelled midway (its slots come back), a deadline, every bad input's status, and /metrics,
+with the router's worker calls carried by compiled Ray graphs (`ray.compiled_calls`).
 The drafter is the bootstrapped model drafter when it exists in the cache, else the n-gram drafter.
 """
 
@@ -63,7 +64,10 @@ def server():
     drafter_group = "hidden" if drafter_kind(None) == "model" else "ngram"
     cfg = load_config([f"drafter={drafter_group}", "spec=chain", "spec.tree_width_max=3", "server.port=0",
                        f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
-                       "target.max_seq_len=512", "server.max_queue=8", "server.max_message_bytes=8388608"])
+                       "target.max_seq_len=512", "server.max_queue=8", "server.max_message_bytes=8388608",
+                       # the router's calls through compiled graphs (cluster/compiled_calls.py): every test
+                       # of this module runs over them; the other servers' tests use plain actor calls
+                       "ray.compiled_calls=true"])
     ray.init(num_cpus=4, include_dashboard=False, namespace="specd-e2e", log_to_driver=False)
     ready, handles, errors = threading.Event(), [], []
 
@@ -250,6 +254,24 @@ def test_metrics_endpoint(server) -> None:
                  "specd_drafted_tokens_total", "specd_position_drafted_total", "specd_queue_depth"):
         assert name in text, name
     assert "specd_server_insecure 0.0" in text          # loopback: not an open public server
+
+
+def test_the_router_calls_its_workers_through_compiled_graphs(server) -> None:
+    """ray.compiled_calls=true: the steps' calls went through the graphs (counted by the worker-stats
+    poll, every 10 s), not plain Ray calls."""
+    import time
+
+    port = server["handle"].metrics_port
+    server["client"].generate(PROMPTS[1], max_new_tokens=8)
+    counts, deadline = {}, time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        counts = {line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line.startswith("specd_compiled_graph_calls_total{")}
+        if counts.get("target", 0) > 0 and counts.get("drafter", 0) > 0:
+            break
+        time.sleep(1)
+    assert counts.get("target", 0) > 0 and counts.get("drafter", 0) > 0, counts
 
 
 def test_admin_set_changes_gamma_for_the_next_requests(server) -> None:
