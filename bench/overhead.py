@@ -283,10 +283,13 @@ def write_overhead_plot(path: Path, rows: list[dict[str, Any]]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["where"], r["forwards"]) for r in rows}, key=lambda k: (k[1], WHERE.index(k[0])))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, (where, forwards) in zip(axes[0], panels, strict=True):
-        cell = [r for r in rows if r["where"] == where and r["forwards"] == forwards]
+    def panel(r):
+        return r["where"], r["forwards"], bool(r.get("compiled_calls"))
+
+    panels = sorted({panel(r) for r in rows}, key=lambda k: (k[1], WHERE.index(k[0]), k[2]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False, sharey=True)
+    for ax, (where, forwards, compiled) in zip(axes[0], panels, strict=True):
+        cell = [r for r in rows if panel(r) == (where, forwards, compiled)]
         batches = sorted({r["batch"] for r in cell})
         systems = [s for s in SYSTEMS if any(r["system"] == s for r in cell)]
         width = 0.8 / max(len(systems), 1)
@@ -297,7 +300,7 @@ def write_overhead_plot(path: Path, rows: list[dict[str, Any]]) -> Path:
         ax.set_xticks(range(len(batches)))
         ax.set_xticklabels([f"batch {b}" for b in batches])
         ax.set_ylabel("host ms per step (median)")
-        ax.set_title(f"{where}, {forwards} forwards")
+        ax.set_title(f"{where}{', compiled calls' if compiled else ''}, {forwards} forwards")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize="small")
     return save_figure(fig, path)

@@ -156,10 +156,13 @@ run() {
                     --systems target-only,chain,default --batch-sizes 1,8 --real --profile /tmp/specd-prof "${cuda[@]}"
                 "$PY" scripts/pstats_summary.py /tmp/specd-prof > "$RESULTS/gpu-profile.txt" || true ;;
             # Host time per step through the router's scheduler with Ray actors (free forwards; needs the
-            # Ray pieces).
+            # Ray pieces), with plain actor calls and with compiled graphs (ray.compiled_calls).
             router) phase router "$PY" -m specd.cluster.cli bench overhead --where router \
                     --systems target-only,chain,default --batch-sizes 1,8 --steps 100 \
-                    --json "$RESULTS/gpu-overhead-router.json" "${cuda[@]}" ;;
+                    --json "$RESULTS/gpu-overhead-router.json" "${cuda[@]}"
+                phase router-compiled "$PY" -m specd.cluster.cli bench overhead --where router \
+                    --systems target-only,chain,default --batch-sizes 1,8 --steps 100 \
+                    --json "$RESULTS/gpu-overhead-router-compiled.json" "${cuda[@]}" ray.compiled_calls=true ;;
             # The default against target-only at every batch size of issue 16's grid.
             grid) phase grid "$PY" -m specd.cluster.cli bench engine --workloads gsm8k,humaneval --temperatures 0,0.7 \
                     --num-prompts 16 --max-new-tokens "$TOKENS" --batch-sizes 1,4,8,16 \
