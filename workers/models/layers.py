@@ -24,9 +24,17 @@ from specd.workers.models.config import LlamaConfig
 PACK_ROWS_HINT = 16
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    supported = dtype in (torch.float32, torch.bfloat16)
-    return device.type == "cpu" and torch.backends.mkldnn.is_available() and supported
+def can_pack(device: torch.device, dtype: torch.dtype, mode: str = "onednn") -> bool:
+    """Whether `mode` packing applies here. oneDNN's bfloat16 reorder needs avx512bw/vl/dq or
+    avx_ne_convert and raises on an AVX2-only CPU (seen on an AMD EPYC host of this kind), so a
+    bfloat16 model keeps plain weights there; int8 rows need no oneDNN."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if mode == "int8":
+        return True
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 PACK_MODES = ("none", "onednn", "int8")

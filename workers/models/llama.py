@@ -22,6 +22,7 @@ from torch import nn
 from specd.workers.core.kv_cache import KVCache
 from specd.workers.models.config import LlamaConfig
 from specd.workers.models.layers import (
+    PACK_MODES,
     BatchPlan,
     Block,
     Linear,
@@ -95,8 +96,10 @@ class Llama(nn.Module):
         matmul weights in memory.
         """
         mode = {True: "onednn", False: "none"}.get(mode, mode)
+        if mode not in PACK_MODES:
+            raise ValueError(f"unknown weight packing {mode!r}; choose from {PACK_MODES}")
         # Both are CPU layouts; elsewhere (CUDA) the plain weights are what the GPU kernels want.
-        if mode != "none" and not can_pack(self.embed_tokens.device, self.embed_tokens.dtype):
+        if mode != "none" and not can_pack(self.embed_tokens.device, self.embed_tokens.dtype, mode):
             mode = "none"
         for module in self.modules():
             if isinstance(module, Linear):

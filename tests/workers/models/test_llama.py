@@ -337,3 +337,19 @@ def test_int8_weights_run_close_and_survive_a_hot_swap(tiny_llama_dir, make_tiny
     assert torch.equal(model.layers[0].mlp.w_gate_up.int8[0], want.layers[0].mlp.w_gate_up.int8[0])
     with pytest.raises(ValueError, match="packing"):
         model.pack_weights("int4")
+
+
+def test_onednn_bfloat16_packing_only_where_the_cpu_has_it(tiny_llama_dir):
+    """oneDNN's bfloat16 reorder raises on an AVX2-only CPU: such a model keeps plain weights there,
+    and still runs; float32 and int8 packing do not depend on it."""
+    from specd.workers.models.layers import can_pack
+
+    cpu = torch.device("cpu")
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert can_pack(cpu, torch.bfloat16, "onednn") is native
+    assert can_pack(cpu, torch.bfloat16, "int8") and can_pack(cpu, torch.float32, "int8")
+    assert can_pack(cpu, torch.float32, "onednn") is torch.backends.mkldnn.is_available()
+    assert not can_pack(torch.device("cuda"), torch.float32, "onednn")
+    assert not can_pack(cpu, torch.float16, "onednn")
+    model = Llama.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16, pack=True)
+    assert model.packed == ("onednn" if native else "none")
