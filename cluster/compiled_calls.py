@@ -159,6 +159,9 @@ class CompiledCalls:
             with InputNode() as call:
                 dag = self.actor.specd_dispatch.bind(call)
             self._dag = dag.experimental_compile()
+            # the idle clock starts when the graph is up: compiling can take longer than idle_s,
+            # and a graph torn down as it arrives would be compiled again on the next call
+            self._last_call = time.monotonic()
             self.compiles += 1
             log.debug("%s: calls through a compiled graph", self.name)
         except Exception as exc:  # the actor went away meanwhile: stay plain, try again later

@@ -109,12 +109,12 @@ def test_calls_go_through_the_graph_with_remote_semantics(ray_echo):
 
 
 def test_an_idle_graph_is_torn_down_and_compiled_again_when_calls_return(ray_echo, monkeypatch):
-    _, handle = _handle(ray_echo, idle_s=0.4)
+    _, handle = _handle(ray_echo, idle_s=0.8)
 
     async def main():
         await handle._call("verify", 1)
         await wait_compiled([handle])
-        await asyncio.sleep(1.5)                   # idle: the watcher tears the spinning loop down
+        await asyncio.sleep(2.0)                   # idle: the watcher tears the spinning loop down
         idle_state = handle.transport.compiled
         assert await handle._call("verify", 2) == [2]               # plain meanwhile
         await wait_compiled([handle])
