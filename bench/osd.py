@@ -445,7 +445,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=int, default=3, help="draft length of the held-out evaluation")
     parser.add_argument("--arms", default="",
                         help="compare arms instead of trainer on/off (bench/osd_arms.py): any of "
-                             "suffix-frozen,default-online,model-online; --domains may include openchat")
+                             "suffix-frozen,default-online,model-online,offline-frozen; --domains may "
+                             "include openchat")
+    parser.add_argument("--offline-drafter", default=None, metavar="DIR",
+                        help="the drafter the offline-frozen arm serves (trained offline on the domain)")
     parser.add_argument("--modes", default="on,off",
                         help="trainer modes to run, in order (default on,off; '' = held-out evaluation only)")
     parser.add_argument("--reference", default=None, metavar="DIR",

@@ -5,7 +5,10 @@ Three arms serve the same stream and are judged on the same held-out prompts, ea
 
 - `suffix-frozen`: the default drafter (suffix index + model drafter) with the trainer off;
 - `default-online`: the same with the online trainer on (what `specd serve` runs);
-- `model-online`: the model drafter alone (no suffix index) with the trainer on.
+- `model-online`: the model drafter alone (no suffix index) with the trainer on;
+- `offline-frozen` (with `--offline-drafter DIR`): the default drafter from a drafter trained offline on
+  the domain, trainer off. Not a serving choice, a ceiling: what arm (b) would reach if online
+  distillation produced that drafter at once, with none of its cost to serving.
 
 Per arm: held-out speed before the stream (each held-out prompt served with speculation on, then off,
 one at a time, greedy, `ignore_eos` so both produce the same number of tokens: the ratio of the two
@@ -37,6 +40,7 @@ ARMS: dict[str, list[str]] = {
     "suffix-frozen": ["drafter.kind=suffix", "drafter.suffix_with_model=true", "trainer.enabled=false"],
     "default-online": ["drafter.kind=suffix", "drafter.suffix_with_model=true", "trainer.enabled=true"],
     "model-online": ["drafter.kind=model", "trainer.enabled=true"],
+    "offline-frozen": ["drafter.kind=suffix", "drafter.suffix_with_model=true", "trainer.enabled=false"],
 }
 
 
@@ -112,13 +116,15 @@ def run_arm(arm: str, domain: str, args: argparse.Namespace, base: list[str], wo
     store = work / f"store-{domain}-{arm}"
     if store.exists():
         shutil.rmtree(store)   # the trainer resumes from a store's CURRENT: an earlier run's would be used
-    overrides = [*base, *ARMS[arm], f"trainer.out_dir={store}", "trainer.keep_versions=1000"]
+    drafter = args.offline_drafter if arm == "offline-frozen" else args.start_drafter
+    overrides = [*base, *ARMS[arm], f"drafter.path={drafter}", f"trainer.out_dir={store}",
+                 "trainer.keep_versions=1000"]
     started = time.time()
     server = ServerProcess(overrides, work / f"server-{domain}-{arm}.log")
     try:
         if "trainer.enabled=true" in ARMS[arm]:
             wait_for_trainer(store)
-        out: dict[str, Any] = {"arm": arm, "domain": domain, "overrides": ARMS[arm]}
+        out: dict[str, Any] = {"arm": arm, "domain": domain, "overrides": ARMS[arm], "drafter": drafter}
         out["before"] = asyncio.run(heldout_speed(server.address, before, args.max_new_tokens,
                                                   f"{domain} {arm} held-out before"))
         out["stream"] = asyncio.run(run_stream(server.address, stream, args.clients, args.max_new_tokens,
@@ -161,6 +167,10 @@ def summary(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "heldout_speed_after": round(b["speedup_after"] / a["speedup_after"], 4),
                 "stream_throughput": round(b["stream_tokens_per_s"] / a["stream_tokens_per_s"], 4),
             }
+        c = arms.get("offline-frozen")
+        if a and c and a["speedup_after"] and c["speedup_after"]:
+            ratio = round(c["speedup_after"] / a["speedup_after"], 4)
+            arms["offline_over_a"] = {"heldout_speed_after": ratio}
     return out
 
 
@@ -210,8 +220,11 @@ def run_arms(args: argparse.Namespace) -> int:
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"--arms: choose from {', '.join(ARMS)} (got {', '.join(sorted(unknown))})")
+    if "offline-frozen" in arms and not (Path(args.offline_drafter or "") / "config.json").is_file():
+        raise SystemExit("--arms offline-frozen needs --offline-drafter DIR (a drafter directory)")
     overrides, cfg, drafter, work, seen = prepare(args, "specd-bench-osd-arms-")
-    base = [*overrides, f"drafter.path={drafter}", "server.port=0", "server.metrics_port=0",
+    args.start_drafter = drafter
+    base = [*overrides, "server.port=0", "server.metrics_port=0",
             f"server.max_running={max(args.clients, cfg.server.max_running)}"]
     started = time.time()
     results = []
@@ -230,7 +243,8 @@ def run_arms(args: argparse.Namespace) -> int:
             "summary": table,
             "meta": {"arms": {a: ARMS[a] for a in arms}, "requests_per_domain": args.requests_per_domain,
                      "heldout_per_phase": args.heldout, "max_new_tokens": args.max_new_tokens,
-                     "clients": args.clients, "start_drafter": drafter, "overrides": overrides,
+                     "clients": args.clients, "start_drafter": drafter,
+                     "offline_drafter": args.offline_drafter, "overrides": overrides,
                      "duration_s": round(time.time() - started, 1), "work_dir": str(work)},
             "results": results,
         }

@@ -179,7 +179,7 @@ def osd_arms(root: Path, files: list[str], where: dict[str, str]) -> str:
         doc = _load(root, name)
         for domain, arms in doc["summary"].items():
             for arm, r in arms.items():
-                if arm == "b_over_a" or not _keep({"arm": arm, "domain": domain}, where):
+                if arm in ("b_over_a", "offline_over_a") or not _keep({"arm": arm, "domain": domain}, where):
                     continue
                 lines.append(
                     f"| `{Path(name).name}` | {domain} | {arm} | {r['speedup_before']:.2f}x → "
@@ -192,6 +192,9 @@ def osd_arms(root: Path, files: list[str], where: dict[str, str]) -> str:
                 tails.append(f"`{Path(name).name}`, {domain}: default-online / suffix-frozen held-out speed "
                              f"after {b['heldout_speed_after']:.2f}x, stream throughput "
                              f"{b['stream_throughput']:.2f}x.")
+            if "offline_over_a" in arms:
+                tails.append(f"`{Path(name).name}`, {domain}: offline-frozen / suffix-frozen held-out speed "
+                             f"after {arms['offline_over_a']['heldout_speed_after']:.2f}x.")
         m = doc["meta"]
         tails.append(f"`{Path(name).name}`: {m['requests_per_domain']} stream requests, "
                      f"{m['heldout_per_phase']} held-out prompts before and {m['heldout_per_phase']} after, "

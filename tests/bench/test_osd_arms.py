@@ -20,7 +20,8 @@ def _result(arm: str, before: float, after: float, tokens_per_s: float) -> dict:
 
 
 def test_arms_differ_only_in_drafter_and_trainer() -> None:
-    assert set(ARMS) == {"suffix-frozen", "default-online", "model-online"}
+    assert set(ARMS) == {"suffix-frozen", "default-online", "model-online", "offline-frozen"}
+    assert ARMS["offline-frozen"] == ARMS["suffix-frozen"]     # only the drafter it starts from differs
     assert "trainer.enabled=false" in ARMS["suffix-frozen"]
     assert set(ARMS["default-online"]) - set(ARMS["suffix-frozen"]) == {"trainer.enabled=true"}
     assert "drafter.kind=model" in ARMS["model-online"]
@@ -43,6 +44,13 @@ def test_summary_compares_the_online_default_with_the_frozen_one() -> None:
     assert arms["default-online"]["versions_published"] == 1
     assert arms["b_over_a"] == {"heldout_speed_after": round(1.61 / 1.40, 4),
                                 "stream_throughput": round(19.0 / 20.0, 4)}
+    assert "offline_over_a" not in arms
+
+
+def test_summary_compares_the_offline_ceiling_with_the_frozen_one() -> None:
+    table = summary([_result("suffix-frozen", 1.05, 1.40, 20.0), _result("offline-frozen", 1.1, 1.54, 19.0)])
+    assert table["openchat"]["offline_over_a"] == {"heldout_speed_after": round(1.54 / 1.40, 4)}
+    assert "b_over_a" not in table["openchat"]
 
 
 def test_plot_is_written(tmp_path) -> None:
