@@ -250,7 +250,9 @@ def wait_for_trainer(store: Path, timeout_s: float = 600) -> None:
         time.sleep(1.0)
 
 
-def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Path:
+def write_plot(path: Path, runs: dict[str, dict], shift: int | None, title: str) -> Path:
+    """α per request over the stream, per trainer mode; `shift`: where the second domain starts (None:
+    one domain)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,7 +277,8 @@ def write_plot(path: Path, runs: dict[str, dict], shift: int, title: str) -> Pat
         for ev in run.get("published", []):
             if ev["version"] not in drafted_by:
                 ax.axvline(ev["index"], color=line.get_color(), alpha=0.25, linestyle="-.")
-    ax.axvline(shift, color="black", linestyle="--", label="GSM8K -> HumanEval")
+    if shift is not None:
+        ax.axvline(shift, color="black", linestyle="--", label="GSM8K -> HumanEval")
     ax.set_xlabel("request index")
     ax.set_ylabel("acceptance rate α (accepted / drafted)")
     ax.set_title(title)
@@ -356,11 +359,12 @@ def run_bench(args: argparse.Namespace) -> int:
         f"of which seen drafting: {len(runs.get('on', {}).get('swaps', []))}"
     )
     if runs:
+        domains = [d for d in args.domains.split(",") if d]
         plot = write_plot(
             Path(args.plot) if args.plot else work / "osd.png",
             runs,
-            args.requests_per_domain,
-            f"specd bench osd: {args.requests_per_domain} GSM8K then {args.requests_per_domain} HumanEval",
+            args.requests_per_domain if len(domains) > 1 else None,
+            "specd bench osd: " + " then ".join(f"{args.requests_per_domain} {d}" for d in domains),
         )
         print(f"plot: {plot}")
     if args.json:

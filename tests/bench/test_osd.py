@@ -35,6 +35,8 @@ def test_plot_is_written(tmp_path) -> None:
            "swaps": [{"index": 4, "version": "b"}]}
     path = write_plot(tmp_path / "osd.png", {"on": run, "off": run}, 5, "t")
     assert path.stat().st_size > 1000
+    one_domain = write_plot(tmp_path / "osd-one.png", {"on": run}, None, "t")   # no domain shift drawn
+    assert one_domain.stat().st_size > 1000
 
 
 def test_the_version_serving_when_each_domain_ended_is_its_last_requests_newest() -> None:
