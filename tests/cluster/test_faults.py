@@ -114,7 +114,9 @@ def test_killed_target_streams_end_unavailable_and_the_replica_comes_back(ray_se
         actors.shutdown_cluster(cluster)
     ended = [fin for _, fin in outs if fin.stats.replica == 0]
     assert ended
-    assert all(f.reason == FinishReason.ERROR and f.unavailable and "died" in f.error for f in ended)
+    # a plain call reports the actor died; a compiled graph's read may see it restarting instead
+    assert all(f.reason == FinishReason.ERROR and f.unavailable
+               and ("died" in f.error or "restart" in f.error) for f in ended)
     assert [t for t, f in outs if f.stats.replica == 1] == [
         target_only([i + 1], 60) for i, (_, f) in enumerate(outs) if f.stats.replica == 1]
     assert [f.stats.replica for _, f in meanwhile] == [1, 1]                  # out of dispatch at once
