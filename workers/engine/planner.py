@@ -297,8 +297,7 @@ class SpeculationPlanner:
                 else:
                     if hint is not None:
                         fallbacks[i] = hinted_slot(slot, hint)
-                    pending = r.pending + len(item.commit_new_tokens) if self.colocated else 0
-                    slot.setup_seconds = self.costs.catch_up_seconds(pending)
+                    slot.setup_seconds = self._catch_up_share(item, r, remaining)
                 slots.append(slot)
                 states.append(r.state)
             else:
@@ -322,6 +321,20 @@ class SpeculationPlanner:
         g = self.goodput_ema
         g["predicted"] = self.last_plan.goodput if not g["predicted"] else (
             0.8 * g["predicted"] + 0.2 * self.last_plan.goodput)
+
+    def _catch_up_share(self, item: DraftItem, r: _Request, remaining: int) -> float:
+        """The share of a colocated model drafter's catch-up (the context it has not taken in yet) that
+        this step's model draft is charged. A catch-up is paid once and serves every later model draft of
+        the request, so it is spread over the fewest steps the request has left (each emitting 1 + γ cap
+        tokens at most). Charged whole to one step, a prompt's catch-up (0.2 ms a token on the 2-core CPU)
+        outweighed any single draft's gain; refused, the context grew by each step's tokens, and the
+        in-process engine's model drafter never drafted at all (docs/decisions/goodput-pricing.md).
+        Through Ray (not colocated) the drafter catches up in its own process: nothing is charged."""
+        if not self.colocated:
+            return 0.0
+        pending = r.pending + len(item.commit_new_tokens)
+        steps_left = max(1, remaining // (1 + max(item.gamma, 1)))
+        return self.costs.catch_up_seconds(pending) / steps_left
 
     # ---- observe --------------------------------------------------------------------------------------
     def observe(self, record: StepRecord) -> None:

@@ -157,3 +157,24 @@ def test_cost_profile_request_and_profile() -> None:
     planner.set_cost_profile({1: [0.01] * 5, 4: [0.02] * 5}, {1: 0.001, 4: 0.002}, catch_up=0.0001)
     assert planner.controller.costs is planner.costs and planner.costs.profile == CostProfile(
         verify={1: [0.01] * 5, 4: [0.02] * 5}, draft={1: 0.001, 4: 0.002}, catch_up=0.0001)
+
+
+def _catch_up_plan(colocated: bool, pending: int, max_new: int) -> int:
+    """γ planned for a greedy request whose model drafter has `pending` context tokens to take in first,
+    on this CPU's measured costs (a 38 ms step, 1.6 ms a drafted level, 0.2 ms a catch-up token)."""
+    planner = SpeculationPlanner(SpecConfig(policy="goodput", gamma_max=4), colocated=colocated,
+                                 held_out_acceptance=0.45)
+    planner.set_cost_profile({1: [0.038, 0.0392, 0.0416, 0.0433, 0.0451]}, {1: 0.0016}, catch_up=0.0002)
+    seqs = _seqs(planner, 1, SpecParams(gamma=4, policy="goodput"), max_new=max_new)
+    planner.plan(seqs)
+    _step(planner, seqs, [Draft("r0", [], pending=pending)])
+    return planner.plan(seqs).items[0].gamma
+
+
+def test_a_colocated_catch_up_is_spread_over_the_steps_it_serves() -> None:
+    # A prompt's catch-up (120 tokens, 24 ms) charged to one step outweighed the draft's gain and the model
+    # never drafted in-process; spread over the request's steps left it drafts, as it does through Ray.
+    assert _catch_up_plan(colocated=True, pending=120, max_new=64) > 0
+    assert _catch_up_plan(colocated=False, pending=120, max_new=64) > 0
+    # with too few tokens left for the catch-up to pay back, still none
+    assert _catch_up_plan(colocated=True, pending=120, max_new=4) == 0
