@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from specd.workers.core.guard import SpeculationGuard
 from specd.workers.engine.handles import DrafterHandle, TargetHandle
 from specd.workers.engine.planner import SpeculationPlanner, StepRecord
+from specd.workers.engine.trace import StepTrace
 from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import Draft, VerifyResult
 
@@ -77,6 +78,7 @@ class SpecStep:
         self._last_probe = 0.0
         self.drafter_failures = 0                # drafter calls that raised
         self.fallback_requests = 0               # requests moved to target-only decoding by them
+        self.trace = StepTrace.from_env()        # None unless SPECD_STEP_TRACE names a file (trace.py)
 
     @property
     def guard(self) -> SpeculationGuard | None:
@@ -228,11 +230,14 @@ class SpecStep:
             emitted = seq.apply(result, drafter_version=version, drafter_skipped=skipped)
             outcomes.append(StepOutcome(seq, draft, result, emitted))
         t1 = time.perf_counter()
-        self.planner.observe(StepRecord(
+        record = StepRecord(
             batch=len(live), eligible=bool(drafting), allowed=plan.allowed, skipped=bool(plan.skipped),
             drafts=proposed, results=results, rows=[1 + len(d.tokens) for d in drafts],
             verify_seconds=results[0].verify_seconds, propose_seconds=propose_seconds,
-            host_seconds=t1 - t0 - results[0].verify_seconds, started=t0, finished=t1))
+            host_seconds=t1 - t0 - results[0].verify_seconds, started=t0, finished=t1)
+        self.planner.observe(record)
+        if self.trace is not None:
+            self.trace.write(record, sum(len(o.new_tokens) for o in outcomes))
         return outcomes
 
     async def release(self, request_ids: list[str]) -> None:

@@ -1,0 +1,66 @@
+"""Summarise a step trace (SPECD_STEP_TRACE, workers/engine/trace.py): median step, propose and verify
+time and mean tokens emitted, by batch size and by how many tokens the step drafted.
+
+    SPECD_STEP_TRACE=/tmp/steps.jsonl specd bench osd --arms suffix-frozen ...
+    python scripts/step_trace.py /tmp/steps.jsonl [--json summary.json] [--batch 1]
+
+Steps that asked no drafter (speculation off, or the guard or pause kept it) are the `plain` row;
+`drafted 0` steps asked the drafter and got nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def summarise(lines: list[dict], batch: int | None = None) -> list[dict]:
+    """One row per (batch, drafted tokens in the step, or 'plain'), in that order."""
+    groups: dict[tuple[int, str], list[dict]] = defaultdict(list)
+    for s in lines:
+        if batch is not None and s["batch"] != batch:
+            continue
+        kind = "plain" if not s["drafted"] else f"drafted {sum(s['drafted'])}"
+        groups[(s["batch"], kind)].append(s)
+
+    def order(key: tuple[int, str]) -> tuple[int, int]:
+        b, kind = key
+        return b, -1 if kind == "plain" else int(kind.split()[1])
+
+    rows = []
+    for key in sorted(groups, key=order):
+        steps = groups[key]
+        median_ms = {k: round(1000 * statistics.median(s[k] for s in steps), 1)
+                     for k in ("step_s", "propose_s", "verify_s")}
+        rows.append({"batch": key[0], "kind": key[1], "steps": len(steps),
+                     "step_ms": median_ms["step_s"], "propose_ms": median_ms["propose_s"],
+                     "verify_ms": median_ms["verify_s"],
+                     "emitted": round(statistics.fmean(s["emitted"] for s in steps), 2)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--batch", type=int, default=None, help="only steps of this batch size")
+    ap.add_argument("--min-steps", type=int, default=10, help="print only rows with at least this many steps")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    lines = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
+    rows = summarise(lines, args.batch)
+    print("| batch | step | steps | ms/step | propose ms | verify ms | tokens emitted |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["steps"] >= args.min_steps:
+            print(f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['step_ms']} | {r['propose_ms']} | "
+                  f"{r['verify_ms']} | {r['emitted']} |")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"trace": str(args.trace), "steps": len(lines), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
