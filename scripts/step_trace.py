@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['step_ms']} | {r['propose_ms']} | "
                   f"{r['verify_ms']} | {r['emitted']} |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"trace": str(args.trace), "steps": len(lines), "rows": rows}, indent=1))
+        summary = {"trace": str(args.trace), "steps": len(lines), "rows": rows}
+        args.json.write_text(json.dumps(summary, indent=1))
     return 0
 
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from specd.workers.core.guard import SpeculationGuard
 from specd.workers.engine.handles import DrafterHandle, TargetHandle
 from specd.workers.engine.planner import SpeculationPlanner, StepRecord
-from specd.workers.engine.trace import StepTrace
 from specd.workers.engine.sequence import Sequence
+from specd.workers.engine.trace import StepTrace
 from specd.workers.engine.types import Draft, VerifyResult
 
 log = logging.getLogger(__name__)
