@@ -2,7 +2,7 @@
 time and mean tokens emitted, by batch size and by how many tokens the step drafted.
 
     SPECD_STEP_TRACE=/tmp/steps.jsonl specd bench osd --arms suffix-frozen ...
-    python scripts/step_trace.py /tmp/steps.jsonl [--json summary.json] [--batch 1]
+    python scripts/step_trace.py /tmp/steps.jsonl [--json summary.json] [--batch 1] [--pid N]
 
 Steps that asked no drafter (speculation off, or the guard or pause kept it) are the `plain` row;
 `drafted 0` steps asked the drafter and got nothing.
@@ -17,11 +17,12 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def summarise(lines: list[dict], batch: int | None = None) -> list[dict]:
-    """One row per (batch, drafted tokens in the step, or 'plain'), in that order."""
+def summarise(lines: list[dict], batch: int | None = None, pid: int | None = None) -> list[dict]:
+    """One row per (batch, drafted tokens in the step, or 'plain'), in that order; only the steps of one
+    batch size and of one process (a server's router) where given."""
     groups: dict[tuple[int, str], list[dict]] = defaultdict(list)
     for s in lines:
-        if batch is not None and s["batch"] != batch:
+        if (batch is not None and s["batch"] != batch) or (pid is not None and s["pid"] != pid):
             continue
         kind = "plain" if not s["drafted"] else f"drafted {sum(s['drafted'])}"
         groups[(s["batch"], kind)].append(s)
@@ -46,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path)
     ap.add_argument("--batch", type=int, default=None, help="only steps of this batch size")
+    ap.add_argument("--pid", type=int, default=None,
+                    help="only steps of this process (each server of `specd bench osd --arms` has its own)")
     ap.add_argument("--min-steps", type=int, default=10, help="print only rows with at least this many steps")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
     lines = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
-    rows = summarise(lines, args.batch)
+    pids = list(dict.fromkeys(s["pid"] for s in lines))
+    print(f"{len(lines)} steps from processes {pids} (in order of their first step)")
+    rows = summarise(lines, args.batch, args.pid)
     print("| batch | step | steps | ms/step | propose ms | verify ms | tokens emitted |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -58,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {r['batch']} | {r['kind']} | {r['steps']} | {r['step_ms']} | {r['propose_ms']} | "
                   f"{r['verify_ms']} | {r['emitted']} |")
     if args.json is not None:
-        summary = {"trace": str(args.trace), "steps": len(lines), "rows": rows}
+        summary = {"trace": str(args.trace), "steps": len(lines), "batch": args.batch, "pid": args.pid,
+                   "rows": rows}
         args.json.write_text(json.dumps(summary, indent=1))
     return 0
 
