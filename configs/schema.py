@@ -104,7 +104,8 @@ class TargetConfig:
     replicas: int = 1
     max_slots: int = 16                 # concurrent sequences per replica (KV cache slots)
     max_seq_len: int = 2048             # context length of the KV cache: prompt + generated tokens
-    num_threads: int | None = None      # torch intra-op threads on CPU; None = torch default
+    # torch threads on CPU; None = torch's default, which in a Ray actor is its num_cpus (docs/operations.md)
+    num_threads: int | None = None
     # Fix glibc malloc's mmap and trim thresholds in the worker's process, so each step reuses the memory
     # the last one freed instead of faulting it in again (workers/engine/host_memory.py;
     # docs/decisions/slot-order-and-freed-memory.md). False leaves malloc as it is.
