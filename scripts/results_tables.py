@@ -13,7 +13,8 @@ Kinds (extra `key=value` words filter rows): engine-grid (the paired ratio of ev
 specd system per workload x temperature row and batch column), engine-systems (one row per system
 and cell: tok/s, α, tokens per step, ratios), serve (`specd bench serve` phases), osd (`specd bench
 osd` held-out acceptance), osd-arms (`specd bench osd --arms`), soak (`specd bench soak`), overhead
-(`specd bench overhead`: host ms per step and its phases), serve-vllm (`specd bench serve --vllm`).
+(`specd bench overhead`: host ms per step and its phases), serve-vllm (`specd bench serve --vllm`),
+step-trace (`scripts/step_trace.py --json`: served steps by what they drafted).
 tests/test_docs.py runs --check's logic.
 """
 
@@ -322,9 +323,26 @@ def serve_vllm(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def step_trace(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """`python scripts/step_trace.py --json`: per kind of step (plain, or tokens drafted) with at least 10
+    steps, median ms per step, propose and verify, mean tokens emitted, and those tokens per second of
+    step time."""
+    lines = ["| file | batch | step | steps | ms/step | propose ms | verify ms | tokens emitted | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name in files:
+        for r in _load(root, name)["rows"]:
+            if r["steps"] < 10 or not _keep(r, where):
+                continue
+            lines.append(f"| `{Path(name).name}` | {r['batch']} | {r['kind']} | {r['steps']} | "
+                         f"{r['step_ms']:.1f} | {r['propose_ms']:.1f} | {r['verify_ms']:.1f} | "
+                         f"{r['emitted']:.2f} | {1000 * r['emitted'] / r['step_ms']:.1f} |")
+    return "\n".join(lines)
+
+
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
          "osd-arms": osd_arms, "soak": soak, "overhead": overhead, "overhead-ab": overhead_ab,
-         "overhead-gpu": overhead_gpu, "overhead-targets": overhead_targets, "serve-vllm": serve_vllm}
+         "overhead-gpu": overhead_gpu, "overhead-targets": overhead_targets, "serve-vllm": serve_vllm,
+         "step-trace": step_trace}
 
 
 def sources(spec: str) -> list[str]:
