@@ -157,14 +157,15 @@ class AdminServicer(serving_pb2_grpc.SpecdAdminServicer):
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_admin(args: argparse.Namespace) -> int:
     from specd.cluster.client import SpecdClient
-    from specd.cluster.serve import client_security
+    from specd.cluster.client_cli import client_security, grpc_address
 
     if args.token_env == "SPECD_ADMIN_TOKEN" and (args.action == "get"
                                                   or not os.environ.get("SPECD_ADMIN_TOKEN")):
         # get reads ServerInfo (a user call); a server without admin tokens takes its bearer token
         args.token_env = "SPECD_TOKEN"
     try:
-        with SpecdClient(args.address, timeout=args.timeout, security=client_security(args)) as client:
+        with SpecdClient(grpc_address(args), timeout=args.timeout,
+                         security=client_security(args)) as client:
             if args.action == "set":
                 changed = client.set_config(args.overrides)
                 for key, value in sorted(changed.items()):
@@ -187,7 +188,7 @@ def _cmd_admin(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers) -> None:
     """`specd admin set KEY=VALUE ...` and `specd admin get [KEY ...]` (called by cluster/cli.py)."""
-    from specd.cluster.serve import add_client_options
+    from specd.cluster.client_cli import add_client_options
 
     p = subparsers.add_parser("admin", help="change speculation settings of a running server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

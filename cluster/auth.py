@@ -189,6 +189,15 @@ class ServerSecurity:
     # SpecdAdmin is served: always on loopback; off loopback only with an admin token of its own
     admin_service: bool = True
     certificates: ReloadingCertificates | None = field(default=None, compare=False)   # TLS files
+    bearer: BearerAuthInterceptor | None = field(default=None, compare=False)
+
+    def authorize(self, authorization: str | None) -> str | None:
+        """The HTTP API's check of an `Authorization` header against the same user tokens: None when
+        allowed, else why not (admin tokens are not asked for: the admin RPCs are gRPC-only)."""
+        if self.bearer is None or self.bearer.allowed(authorization):
+            return None
+        reason = "missing bearer token" if not authorization else "invalid bearer token"
+        return f"{reason}: send the header 'Authorization: Bearer <token>'"
 
     @classmethod
     def from_config(cls, server) -> ServerSecurity:
@@ -209,8 +218,8 @@ class ServerSecurity:
             raise ValueError(f"server.host={server.host!r}: {OPEN_BIND_HELP}")
         # no interceptor at all only on a loopback host without tokens: everything open there
         needed = tokens or admin or not loopback
-        interceptors = ((BearerAuthInterceptor(token_set, admin_set, admin_falls_back=loopback),)
-                        if needed else ())
+        bearer = BearerAuthInterceptor(token_set, admin_set, admin_falls_back=loopback) if needed else None
+        interceptors = (bearer,) if bearer else ()
         admin_service = loopback or bool(admin)
         if not admin_service:
             log.warning("no admin token (server.admin_token_file / server.admin_token_env) on non-loopback "
@@ -220,7 +229,7 @@ class ServerSecurity:
                         " and ".join(n for n, on in (("TLS", credentials), ("auth", tokens)) if not on),
                         " (server.insecure=true)" if not tokens else "")
         return cls(credentials, interceptors, insecure=not loopback and not tokens,
-                   admin_service=admin_service, certificates=certificates)
+                   admin_service=admin_service, certificates=certificates, bearer=bearer)
 
 
 def client_channel_credentials(

@@ -17,7 +17,9 @@ from importlib.metadata import distributions
 
 COMMAND_GROUP = "specd.commands"
 # cluster's own command modules, in the order `specd --help` lists them (before the entry points).
-_CLUSTER_COMMANDS = ("specd.cluster.serve", "specd.cluster.admin", "specd.cluster.trainer_actor")
+_CLUSTER_COMMANDS = (
+    "specd.cluster.serve", "specd.cluster.client_cli", "specd.cluster.admin", "specd.cluster.trainer_actor",
+)
 
 AddCli = Callable[[argparse._SubParsersAction], None]
 

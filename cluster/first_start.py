@@ -72,3 +72,36 @@ def trained_sources(drafter_dir: Path) -> list[str] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return list(sources) if isinstance(sources, list) else None
+
+
+def publish_first_version(cfg, res, model_dir: str) -> dict | None:
+    """Open Redis (when replay is on) and publish the drafter this router starts from as the serving
+    version there, unless one serves already; returns where DraftWorkers read versions (None: from
+    drafter.path, no online adaptation). `res` is serve's resources: res.online_redis is set here."""
+    from specd.cluster.online import open_online_redis, versions_spec
+    from specd.drafter_trainer.version_channel import publish_first_version as publish
+    from specd.workers.drafters.registry import drafter_class
+    from specd.workers.models.loader import default_cache_dir
+
+    res.online_redis = open_online_redis(cfg)
+    if res.online_redis is None or not drafter_class(cfg.drafter.kind).has_weights(cfg.drafter):
+        return None
+    import redis
+
+    from specd.drafter_trainer.drafter_format import DrafterFormatError
+    from specd.workers.drafters.model import resolve_drafter_dir
+    from specd.workers.drafters.versions import VersionError
+
+    hidden = bool(cfg.drafter.target_hidden) and cfg.target.backend == "torch"
+    endpoint = res.online_redis[0]
+    spec = versions_spec(cfg, endpoint)
+    redis_spec = {**spec["redis"], "password": endpoint.password}
+    store = Path(cfg.cache_dir or default_cache_dir()) / "drafters" / "router-published"
+    try:
+        drafter_dir = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, hidden)   # None: bootstrapped
+        publish(redis_spec, spec["prefix"], drafter_dir, model_dir, store)
+    except (OSError, DrafterFormatError, VersionError, redis.RedisError) as exc:
+        # a drafter without specd's metadata, or Redis refusing: drafters load drafter.path on their node
+        log.warning("first-start drafter not published to Redis (%s); DraftWorkers read drafter.path", exc)
+        return None
+    return spec

@@ -27,6 +27,7 @@ follow the glossary: drafted, accepted, recovered, bonus, step, gamma.
     specd_guard_windows_total            counter by replica and mode: the guard's measured windows
     specd_guard_skipped_steps_total      counter by replica: steps the guard kept from drafting
     specd_server_insecure                gauge: 1 while serving off loopback without a token
+    specd_http_requests_total            counter by endpoint and status: the OpenAI-compatible HTTP API
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class SpecdMetrics(SchedulerObserver):
         self.tokens_per_s = Histogram("specd_request_tokens_per_second",
                                       "Completion tokens over total time, per request",
                                       buckets=_RATE_BUCKETS, registry=r)
+        self.http_requests = Counter("specd_http_requests", "HTTP API requests by endpoint and status",
+                                     ["endpoint", "status"], registry=r)
         self.queue_depth = Gauge("specd_queue_depth", "Requests waiting for a slot", registry=r)
         self.live = Gauge("specd_live_config", "Live-tunable speculation settings now in force", ["key"],
                           registry=r)

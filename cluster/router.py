@@ -13,12 +13,8 @@ failed on the request. A client cancel or deadline aborts the request, which fre
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,19 +23,17 @@ from grpc_reflection.v1alpha import reflection
 from specd.cluster.admin import AdminServicer
 from specd.cluster.auth import ServerSecurity
 from specd.cluster.health_probe import SpecdHealth
-from specd.cluster.metrics import SpecdMetrics
 from specd.cluster.redact import redact_config
-from specd.cluster.scheduler import QueueFull, Scheduler, ServedStats, TokensEvent
-from specd.cluster.validation import Bounds, InvalidRequest, TextCodec, validate_request
+from specd.cluster.scheduler import ServedStats
+from specd.cluster.serving import LOADING, Backend, DeltaEvent, ErrorCode, ServingCore, ServingError
 from specd.configs.validate import is_loopback_host
 from specd.proto.specd.v1 import serving_pb2, serving_pb2_grpc
-from specd.workers.engine.types import FinishReason, NewRequest
+from specd.workers.engine.types import FinishReason
 
 # worker_stats() also carries metrics-only keys (the goodput EMAs) that ServerInfo does not report
 _WORKER_FIELDS = frozenset(serving_pb2.WorkerStats.DESCRIPTOR.fields_by_name)
 
 log = logging.getLogger(__name__)
-TOKENIZER_THREADS = 4
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Specd"].full_name   # "specd.v1.Specd"
 ADMIN_SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["SpecdAdmin"].full_name
@@ -49,57 +43,6 @@ _FINISH = {
     FinishReason.STOP: serving_pb2.FINISH_REASON_STOP,
     FinishReason.CANCELLED: serving_pb2.FINISH_REASON_CANCELLED,
 }
-
-
-def first_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    """Where `text` ends: at the start of the stop string that is completed first reading left to right
-    (the earliest end; at equal ends the longer one). Not simply the earliest start: with overlapping
-    stop strings that would depend on how many tokens a step happened to bring at once."""
-    hits = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stop) if i >= 0]
-    return min(hits)[1] if hits else None
-
-
-class TextStream:
-    """Incremental detokenization with stop strings.
-
-    Text is held back while it ends in an unfinished UTF-8 character (decoded as U+FFFD) or in what
-    could be the start of a stop string, so a delta never has to be taken back.
-    """
-
-    def __init__(self, codec: TextCodec, stop: tuple[str, ...] = ()):
-        self.codec = codec
-        self.stop = stop
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0                 # characters of self.text already handed out
-        self.stopped = False
-        self._hold = max((len(s) for s in stop), default=1) - 1
-
-    def push(self, ids: list[int]) -> str:
-        if self.stopped:
-            return ""
-        self.ids += ids
-        text = self.codec.decode(self.ids)
-        hit = first_stop(text, self.stop)
-        if hit is not None:
-            self.stopped = True
-            self.text = text[:hit]
-            return self.flush()
-        self.text = text
-        end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":
-            end -= 1
-        for k in range(min(self._hold, end - self.sent), 0, -1):
-            if any(s.startswith(text[end - k : end]) for s in self.stop):
-                end -= k
-                break
-        delta, self.sent = text[self.sent : end], end
-        return delta
-
-    def flush(self) -> str:
-        """Everything not handed out yet (at the end of the request)."""
-        delta, self.sent = self.text[self.sent :], len(self.text)
-        return delta
 
 
 def usage_proto(stats: ServedStats, completion_tokens: int) -> serving_pb2.Usage:
@@ -126,90 +69,58 @@ def usage_proto(stats: ServedStats, completion_tokens: int) -> serving_pb2.Usage
     )
 
 
-@dataclass
-class Backend:
-    """Everything the servicer needs once the models are loaded and warm."""
-
-    scheduler: Scheduler
-    codec: TextCodec
-    bounds: Bounds
-    model: str
-    eos_token_ids: tuple[int, ...]
-    replicas: int
-    pipeline_groups: int
-    max_queue: int
-    metrics: SpecdMetrics | None = None
-    config: dict[str, str] = field(default_factory=dict)   # configs.flatten of the running config
-    drafters: list = field(default_factory=list)   # DraftWorker handles, for live drafter.version_pin
+_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
 
 class SpecdServicer(serving_pb2_grpc.SpecdServicer):
-    def __init__(self, backend: Backend | None = None):
-        self.backend = backend
-        # Prompts are tokenized off the event loop, so a long one never stalls the streams, and on a few
-        # threads, so one slow prompt does not hold up the next request's (validation bounds a prompt's
-        # characters first, so each tokenization is short). Concurrent calls are safe: the router never
-        # changes the tokenizer's truncation or padding, the only state a fast tokenizer mutates.
-        self.tokenizer_pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS,
-                                                 thread_name_prefix="specd-tokenize")
+    """specd.v1.Specd over the serving core (shared with the HTTP front end when one runs)."""
+
+    def __init__(self, core: ServingCore | None = None):
+        self.core = core or ServingCore()
+
+    @property
+    def backend(self) -> Backend | None:
+        return self.core.backend
+
+    @backend.setter
+    def backend(self, backend: Backend | None) -> None:
+        self.core.backend = backend
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Backend:
         if self.backend is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is loading its models")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
         return self.backend
 
     async def _events(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateStreamResponse]:
         """The stream of one request: deltas, then one final message. Shared by both RPCs."""
-        b = await self._ready(context)
         try:
-            valid = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_pool, validate_request, request, b.bounds, b.codec)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = uuid.uuid4().hex
-        shown_id = valid.client_request_id or rid
-        stop_ids = () if valid.ignore_eos else b.eos_token_ids
-        new = NewRequest(
-            rid, valid.prompt_token_ids, valid.sampling, valid.max_new_tokens, valid.spec, stop_ids,
-            domain=valid.domain, replay=not valid.skip_replay,
-        )
-        try:
-            handle = b.scheduler.submit(new, ignore_eos=valid.ignore_eos)
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        text = TextStream(b.codec, valid.stop)
-        sent_tokens = 0
-        finished = False
-        try:
-            async for event in handle:
-                if isinstance(event, TokensEvent):
-                    if text.stopped:
-                        continue          # generated before the abort took effect; never shown
-                    delta = text.push(event.tokens)
-                    sent_tokens += len(event.tokens)
-                    if text.stopped:
-                        b.scheduler.abort(rid, FinishReason.STOP)
-                    yield serving_pb2.GenerateStreamResponse(
-                        request_id=shown_id, delta=serving_pb2.Delta(token_ids=event.tokens, text=delta)
+            stream = await self.core.start(request)
+        except ServingError as err:
+            await context.abort(_STATUS[err.code], err.message)
+        async with stream:        # a cancelled call aborts its request at once (frees its slots)
+            try:
+                async for event in stream:
+                    if isinstance(event, DeltaEvent):
+                        yield serving_pb2.GenerateStreamResponse(
+                            request_id=event.request_id,
+                            delta=serving_pb2.Delta(token_ids=event.token_ids, text=event.text))
+                        continue
+                    final = serving_pb2.Final(
+                        finish_reason=_FINISH.get(event.reason, serving_pb2.FINISH_REASON_UNSPECIFIED),
+                        usage=usage_proto(event.stats, event.completion_tokens),
+                        text=event.text,
                     )
-                    continue
-                finished = True
-                if event.reason == FinishReason.ERROR and event.unavailable:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"generation failed: {event.error}")
-                if event.reason == FinishReason.ERROR:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event.error}")
-                reason = FinishReason.STOP if text.stopped else event.reason
-                final = serving_pb2.Final(
-                    finish_reason=_FINISH.get(reason, serving_pb2.FINISH_REASON_UNSPECIFIED),
-                    usage=usage_proto(event.stats, sent_tokens),
-                    text=text.flush(),
-                )
-                yield serving_pb2.GenerateStreamResponse(request_id=shown_id, final=final)
-        finally:
-            if not finished:      # client cancelled, deadline passed, or the stream was dropped
-                b.scheduler.abort(rid, FinishReason.CANCELLED)
+                    yield serving_pb2.GenerateStreamResponse(request_id=event.request_id, final=final)
+            except ServingError as err:
+                await context.abort(_STATUS[err.code], err.message)
 
     async def Generate(self, request, context):
         pieces: list[str] = []
@@ -326,6 +237,10 @@ class GrpcServer:
         backend = self.servicer.backend
         return backend is not None and self.serving_verdict and backend.scheduler.can_admit()
 
+    def serving(self) -> bool:
+        """Loaded, working and passing the health prober: the HTTP API's /health verdict."""
+        return self.servicer.backend is not None and self.serving_verdict and self._alive()
+
     async def set_serving(self, serving: bool) -> None:
         """The serving verdict ("" and specd.v1.Specd); readiness follows it (cluster/health_probe.py)."""
         states = health_pb2.HealthCheckResponse
@@ -345,4 +260,4 @@ class GrpcServer:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
-        self.servicer.tokenizer_pool.shutdown(wait=False)
+        self.servicer.core.close()

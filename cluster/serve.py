@@ -3,7 +3,8 @@
 Order of bring-up: the gRPC server first (health NOT_SERVING, so probes see the process), then Ray,
 the target model directory and tokenizer, the placement group and worker actors, the scheduler, a
 warm-up request per replica, the metrics endpoint; then health turns SERVING and the address is
-printed. Shutdown runs the same list backwards. `specd generate` is the matching small client.
+printed. Shutdown runs the same list backwards. `specd generate` (cluster/client_cli.py) is the matching
+small client.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from specd.configs.schema import ServerConfig, SpecdConfig
+from specd.configs.schema import SpecdConfig
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.types import NewRequest, SpecParams
 
@@ -40,6 +40,8 @@ class ServeHandle:
     _loop: asyncio.AbstractEventLoop = field(repr=False)
     _stop: asyncio.Event = field(repr=False)
 
+    http_port: int | None = None        # the OpenAI-compatible HTTP API (None = server.http_port off)
+
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
 
@@ -49,6 +51,7 @@ class _Resources:
     """What bring-up has created so far; shutdown frees exactly that."""
 
     grpc: Any = None
+    http: Any = None                    # the OpenAI-compatible HTTP API (cluster/http_api.py)
     started_ray: bool = False
     cluster: Any = None
     scheduler: Any = None
@@ -131,18 +134,29 @@ async def _bring_up(
 ) -> None:
     from specd.cluster.auth import ServerSecurity
     from specd.cluster.metrics import SpecdMetrics
-    from specd.cluster.router import Backend, GrpcServer, SpecdServicer
+    from specd.cluster.router import GrpcServer, SpecdServicer
     from specd.cluster.scheduler import Scheduler
+    from specd.cluster.serving import Backend, ServingCore
     from specd.cluster.validation import Bounds
     from specd.configs import flatten
 
     t0 = time.perf_counter()
     security = ServerSecurity.from_config(cfg.server)
-    res.grpc = GrpcServer(SpecdServicer(), cfg.server.host, cfg.server.port, security=security,
+    core = ServingCore()           # the front ends' one serving core (cluster/serving.py)
+    res.grpc = GrpcServer(SpecdServicer(core), cfg.server.host, cfg.server.port, security=security,
                           max_message_bytes=cfg.server.max_message_bytes,
                           health_port=cfg.server.health_port or None)
     await res.grpc.start()
     log.info("gRPC on %s (NOT_SERVING while loading)", res.grpc.address)
+    if cfg.server.http_port is not None:
+        from specd.cluster.http_api import HttpApi, HttpServer
+
+        api = HttpApi(core, authorize=security.authorize, serving=res.grpc.serving,
+                      max_body_bytes=cfg.server.max_message_bytes)
+        res.http = HttpServer(api, cfg.server.host, cfg.server.http_port, cfg.server,
+                              grace_s=cfg.server.shutdown_grace_s)
+        await res.http.start()
+        log.info("HTTP (OpenAI-compatible) on %s (503 while loading)", res.http.url)
 
     if cfg.target.backend == "vllm":
         from specd.cluster.vllm_serve import bring_up_vllm
@@ -216,16 +230,18 @@ async def _bring_up(
                               cfg.server.health_probe_s, timeout_s=cfg.server.health_probe_s)
         res.tasks.append(asyncio.create_task(prober.run()))
     metrics_note = f", metrics on http://{cfg.server.host}:{metrics_port}/metrics" if metrics_port else ""
-    print(f"specd serving {info['model']} on {res.grpc.address}{metrics_note}", flush=True)
+    http_note = f", OpenAI-compatible HTTP on {res.http.url}/v1" if res.http is not None else ""
+    print(f"specd serving {info['model']} on {res.grpc.address}{http_note}{metrics_note}", flush=True)
     if ready_callback is not None:
-        ready_callback(ServeHandle(res.grpc.address, res.grpc.port, metrics_port, info, loop, stop))
+        ready_callback(ServeHandle(res.grpc.address, res.grpc.port, metrics_port, info, loop, stop,
+                                   http_port=res.http.port if res.http is not None else None))
 
 
 async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
     """Ray, the target model (converted once), a drafter to serve with, and every replica's actors;
     returns (model dir, chat codec, each replica's target info, each replica's request capacity)."""
     from specd.cluster import actors
-    from specd.cluster.first_start import ensure_serving_drafter
+    from specd.cluster.first_start import ensure_serving_drafter, publish_first_version
     from specd.workers.models.chat import ChatCodec
     from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
@@ -234,46 +250,13 @@ async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
     await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
-    versions = await asyncio.to_thread(_publish_first_version, cfg, res, str(model_dir))
+    versions = await asyncio.to_thread(publish_first_version, cfg, res, str(model_dir))
     res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir), versions=versions)
     await res.cluster.placement_group.ready()
     infos = await asyncio.gather(*[r.target.info.remote() for r in res.cluster.replicas])
     drafter_slots = await asyncio.gather(*[r.drafter.max_slots.remote() for r in res.cluster.replicas])
     capacity = [min(int(i["max_slots"]), int(d)) for i, d in zip(infos, drafter_slots, strict=True)]
     return model_dir, codec, infos, capacity
-
-
-def _publish_first_version(cfg: SpecdConfig, res: _Resources, model_dir: str) -> dict | None:
-    """Open Redis (when replay is on) and publish the drafter this router starts from as the serving
-    version there, unless one serves already; returns where DraftWorkers read versions (None: from
-    drafter.path, no online adaptation)."""
-    from specd.cluster.online import open_online_redis, versions_spec
-    from specd.drafter_trainer.version_channel import publish_first_version
-    from specd.workers.drafters.registry import drafter_class
-    from specd.workers.models.loader import default_cache_dir
-
-    res.online_redis = open_online_redis(cfg)
-    if res.online_redis is None or not drafter_class(cfg.drafter.kind).has_weights(cfg.drafter):
-        return None
-    import redis
-
-    from specd.drafter_trainer.drafter_format import DrafterFormatError
-    from specd.workers.drafters.model import resolve_drafter_dir
-    from specd.workers.drafters.versions import VersionError
-
-    hidden = bool(cfg.drafter.target_hidden) and cfg.target.backend == "torch"
-    endpoint = res.online_redis[0]
-    spec = versions_spec(cfg, endpoint)
-    redis_spec = {**spec["redis"], "password": endpoint.password}
-    store = Path(cfg.cache_dir or default_cache_dir()) / "drafters" / "router-published"
-    try:
-        drafter_dir = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, hidden)   # None: bootstrapped
-        publish_first_version(redis_spec, spec["prefix"], drafter_dir, model_dir, store)
-    except (OSError, DrafterFormatError, VersionError, redis.RedisError) as exc:
-        # a drafter without specd's metadata, or Redis refusing: drafters load drafter.path on their node
-        log.warning("first-start drafter not published to Redis (%s); DraftWorkers read drafter.path", exc)
-        return None
-    return spec
 
 
 async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:
@@ -315,8 +298,9 @@ def _kill_children(res: _Resources) -> None:
 async def _shut_down(res: _Resources) -> None:
     for task in res.tasks:
         task.cancel()
-    if res.grpc is not None:
-        await res.grpc.stop(grace=res.grace_s)
+    fronts = [*([res.grpc.stop(grace=res.grace_s)] if res.grpc is not None else []),
+              *([res.http.stop()] if res.http is not None else [])]
+    await asyncio.gather(*fronts)      # both stop taking requests at once and share the grace period
     if res.scheduler is not None:
         await res.scheduler.stop()
     if res.online is not None:
@@ -381,88 +365,13 @@ def read_overrides_file(path: str | None) -> list[str]:
         return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
 
 
-def add_client_options(p: argparse.ArgumentParser) -> None:
-    """Address, TLS and token options of the commands that call a server (generate, admin)."""
-    default_address = f"{ServerConfig.host}:{ServerConfig.port}"
-    p.add_argument("--address", default=default_address, help=f"server address (default {default_address})")
-    p.add_argument("--tls", action="store_true", help="connect with TLS (implied by --ca-file)")
-    p.add_argument("--ca-file", default=None, help="PEM CA that signed the server's certificate")
-    p.add_argument("--cert-file", default=None, help="client certificate (PEM) for mutual TLS")
-    p.add_argument("--key-file", default=None, help="client key (PEM) for mutual TLS")
-    p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
-    p.add_argument("--token-env", default="SPECD_TOKEN",
-                   help="environment variable holding the bearer token (default SPECD_TOKEN)")
-
-
-def client_security(args: argparse.Namespace):
-    from specd.cluster.auth import client_token
-    from specd.cluster.client import Security
-
-    return Security(tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file,
-                    token=client_token(args.token_file, args.token_env))
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from specd.cluster.client import SpecdClient
-
-    kw: dict[str, Any] = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, stop=args.stop or (), gamma=args.gamma,
-        tree_width=args.tree_width, gamma_policy=args.gamma_policy or "",
-        speculation=False if args.no_speculation else None,
-    )
-    kw["text" if args.raw else "prompt"] = args.prompt
-    try:
-        with SpecdClient(args.address, timeout=args.timeout, security=client_security(args)) as client:
-            if args.stream:
-                usage, reason = {}, ""
-                for chunk in client.stream(**kw):
-                    print(chunk.text, end="", flush=True)
-                    usage, reason = chunk.usage or usage, chunk.finish_reason or reason
-                print()
-            else:
-                out = client.generate(**kw)
-                print(out.text)
-                usage, reason = out.usage, out.finish_reason
-    except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
-    print(
-        f"[{reason}] {usage.get('completion_tokens', 0)} tokens in {usage.get('total_time_s', 0):.2f} s, "
-        f"ttft {usage.get('time_to_first_token_s', 0):.3f} s, accepted {usage.get('accepted', 0)}/"
-        f"{usage.get('drafted', 0)} drafted, tokens per step {usage.get('tokens_per_step', 0):.2f}",
-        file=sys.stderr,
-    )
-    return 0
-
-
 def add_cli(subparsers) -> None:
-    """Register `specd serve` and `specd generate` (called by cluster/cli.py)."""
+    """Register `specd serve` (called by cluster/cli.py)."""
     p = subparsers.add_parser("serve", help="start the gRPC server (local Ray by default)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_options(p)
     p.set_defaults(func=_cmd_serve)
 
-    g = subparsers.add_parser("generate", help="send one prompt to a running server")
-    g.add_argument("prompt", help="a user message (rendered with the chat template), or raw text with --raw")
-    add_client_options(g)
-    g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    g.add_argument("--raw", action="store_true", help="send the prompt as raw text, not a chat message")
-    g.add_argument("--max-new-tokens", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (the default)")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--gamma", type=int, default=None, help="draft length budget per step")
-    g.add_argument("--tree-width", type=int, default=None, help="1 = chain; >1 = token tree")
-    g.add_argument("--gamma-policy", default=None,
-                   help="goodput (the server's default), fixed, egag, confidence or adaptive")
-    g.add_argument("--no-speculation", action="store_true", help="target-only decoding")
-    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    g.set_defaults(func=_cmd_generate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,16 +42,14 @@ async def bring_up_vllm(cfg, res, install_signals):
     install_signals()
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
-    from specd.cluster.first_start import ensure_serving_drafter
+    from specd.cluster.first_start import ensure_serving_drafter, publish_first_version
 
     # no bootstrapped drafter in the cache: the quick token-only one, as the torch path does (first_start.py)
     await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
     versions = None
     if cfg.replay.enabled:
-        from specd.cluster.serve import _publish_first_version
-
         # Redis carries the versions, as for DraftWorkers (docs/decisions/drafter-versions-redis.md)
-        versions = await asyncio.to_thread(_publish_first_version, cfg, res, str(model_dir))
+        versions = await asyncio.to_thread(publish_first_version, cfg, res, str(model_dir))
     remote = ray.remote(VllmTarget).options(**actor_options(cfg))
     res.vllm_actors = [remote.remote(cfg, 0, versions) for _ in range(cfg.target.replicas)]
     infos = await asyncio.gather(*[a.info.remote() for a in res.vllm_actors])

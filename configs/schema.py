@@ -212,6 +212,9 @@ class ServerConfig:
     max_running: int = 16               # requests decoding at once; the rest wait in the queue
     pipeline_groups: int = 2            # 2 = draft group B while verifying group A; 1 = unpipelined
     metrics_port: int = 9464            # prometheus-client HTTP endpoint; 0 = off
+    # The OpenAI-compatible HTTP API on server.host (/v1/chat/completions, /v1/completions, /v1/models,
+    # /health), with the gRPC port's tokens and TLS; 0 = pick a free port; null = off
+    http_port: int | None = 8000
     warmup: bool = True                 # one short request per replica before SERVING
     # SIGTERM/SIGINT: health NOT_SERVING at once, new requests refused, in-flight ones get this long to
     # finish before they are cancelled; a second signal exits at once

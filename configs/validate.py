@@ -35,6 +35,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "sampling.max_new_tokens_default": (1, None), "sampling.max_new_tokens_cap": (1, None),
     "sampling.temperature_max": (0, None),
     "server.port": (0, 65535), "server.health_port": (0, 65535), "server.metrics_port": (0, 65535),
+    "server.http_port": (0, 65535),
     "server.max_queue": (1, None), "server.max_running": (1, None), "server.pipeline_groups": (1, 2),
     "server.max_message_bytes": (1024, 2**31 - 1), "server.shutdown_grace_s": (0, None),
     "server.health_probe_s": (0, None), "server.max_prompt_chars": (1, None),
@@ -96,6 +97,11 @@ def check(cfg: Any) -> None:
         raise _bad("server.tls_min_version", server.tls_min_version, "one of '1.2', '1.3'")
     if server.health_port and server.health_port == server.port:
         raise _bad("server.health_port", server.health_port, "must differ from server.port")
+    taken = {"server.port": server.port, "server.health_port": server.health_port,
+             "server.metrics_port": server.metrics_port}
+    for key, port in taken.items():
+        if server.http_port and server.http_port == port:
+            raise _bad("server.http_port", server.http_port, f"must differ from {key}")
     if open_bind_refused(server.host, bool(server.auth_token_file or server.auth_token_env),
                          server.insecure):
         raise _bad("server.host", server.host, OPEN_BIND_HELP)

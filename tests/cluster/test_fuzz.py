@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 from test_router import BOUNDS, LoopThread, ToyCodec
 
 from specd.cluster.client import SpecdClient, build_request
-from specd.cluster.router import Backend, GrpcServer, SpecdServicer, TextStream, first_stop
+from specd.cluster.router import GrpcServer, SpecdServicer
 from specd.cluster.scheduler import Scheduler
+from specd.cluster.serving import Backend, TextStream, first_stop
 from specd.cluster.validation import InvalidRequest, validate_request
 from specd.proto.specd.v1 import serving_pb2
 
