@@ -305,6 +305,7 @@ def run_bench(args: argparse.Namespace) -> int:
         f"drafter.path={drafter}",
         "drafter.kind=model",
         "server.port=0",
+        "server.http_port=null",
         "server.metrics_port=0",
         f"server.max_running={max(args.clients, cfg.server.max_running)}",
     ]

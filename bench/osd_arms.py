@@ -224,7 +224,7 @@ def run_arms(args: argparse.Namespace) -> int:
         raise SystemExit("--arms offline-frozen needs --offline-drafter DIR (a drafter directory)")
     overrides, cfg, drafter, work, seen = prepare(args, "specd-bench-osd-arms-")
     args.start_drafter = drafter
-    base = [*overrides, "server.port=0", "server.metrics_port=0",
+    base = [*overrides, "server.port=0", "server.metrics_port=0", "server.http_port=null",
             f"server.max_running={max(args.clients, cfg.server.max_running)}"]
     started = time.time()
     results = []

@@ -295,7 +295,7 @@ def run_bench(args: argparse.Namespace) -> int:
     lengths = request_lengths(len(messages), args.max_new_tokens, args.lengths)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-serve-"))
     logs.mkdir(parents=True, exist_ok=True)
-    serve_overrides = [*overrides, "server.port=0", "server.metrics_port=0",
+    serve_overrides = [*overrides, "server.port=0", "server.metrics_port=0", "server.http_port=null",
                        f"server.max_running={max(args.clients, cfg.server.max_running)}"]
     started = time.time()
     results: dict[str, dict] = {}

@@ -45,7 +45,8 @@ BASE = ["target.backend=vllm", "replay.enabled=false", "trainer.enabled=false"]
 
 def server_overrides(system: str, overrides: list[str], max_clients: int) -> list[str]:
     slots = [f"target.max_slots={max_clients}", f"server.max_running={max_clients}",
-             f"server.max_queue={4 * max_clients}", "server.port=0", "server.metrics_port=0"]
+             f"server.max_queue={4 * max_clients}", "server.port=0", "server.metrics_port=0",
+             "server.http_port=null"]
     return [*BASE, *slots, *overrides, *SYSTEMS[system]]
 
 

@@ -172,7 +172,7 @@ def write_plot(path: Path, samples: list[dict], tpot: list[dict], warmup_s: floa
 def run_bench(args: argparse.Namespace) -> int:
     work = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    overrides = ["server.port=0", "server.metrics_port=0", *args.overrides]
+    overrides = ["server.port=0", "server.metrics_port=0", "server.http_port=null", *args.overrides]
     server = ServerProcess(overrides, work / "server.log")
     samples: list[dict] = []
     stop = threading.Event()

@@ -199,6 +199,7 @@ class GrpcServer:
         if self.admin:
             serving_pb2_grpc.add_SpecdAdminServicer_to_server(AdminServicer(servicer), self.server)
         self.serving_verdict = True          # the HealthProber's last verdict (set_serving)
+        self.stopping = False                # stop() was called: draining
         self.health = SpecdHealth(alive=self._alive, ready=self._ready)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         services = (SERVICE_NAME, *((ADMIN_SERVICE_NAME,) if self.admin else ()), health.SERVICE_NAME,
@@ -239,7 +240,8 @@ class GrpcServer:
 
     def serving(self) -> bool:
         """Loaded, working and passing the health prober: the HTTP API's /health verdict."""
-        return self.servicer.backend is not None and self.serving_verdict and self._alive()
+        return (self.servicer.backend is not None and self.serving_verdict and not self.stopping
+                and self._alive())
 
     async def set_serving(self, serving: bool) -> None:
         """The serving verdict ("" and specd.v1.Specd); readiness follows it (cluster/health_probe.py)."""
@@ -256,6 +258,7 @@ class GrpcServer:
         await self.set_serving(True)
 
     async def stop(self, grace: float = 5.0) -> None:
+        self.stopping = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         if self.health_server is not None:

@@ -53,7 +53,8 @@ def server(tmp_path_factory, boot_hidden_drafter_dir):
 
     store = tmp_path_factory.mktemp("online-store")
     cfg = load_config([
-        "server.port=0", f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
+        "server.port=0", "server.http_port=0", f"server.metrics_port={free_port()}", "target.max_slots=4",
+        "drafter.max_slots=4",
         "target.max_seq_len=512", f"drafter.path={boot_hidden_drafter_dir}", f"trainer.out_dir={store}",
         "trainer.update_every_records=2", "trainer.update_every_s=1", "trainer.holdout_every=2",
         "trainer.steps_per_update=2", "trainer.batch_records=2", "trainer.gate_margin=-1.0",

@@ -63,6 +63,7 @@ def server():
     # config groups and single keys, as `specd serve` takes them; ServerInfo must report them back
     drafter_group = "hidden" if drafter_kind(None) == "model" else "ngram"
     cfg = load_config([f"drafter={drafter_group}", "spec=chain", "spec.tree_width_max=3", "server.port=0",
+                       "server.http_port=0",
                        f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
                        "target.max_seq_len=512", "server.max_queue=8", "server.max_message_bytes=8388608",
                        # the router's calls through compiled graphs (cluster/compiled_calls.py): every test
@@ -134,6 +135,33 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
     sampled.append(c.generate(PROMPTS[0], **seeded, speculation=False).token_ids)
     sampled.append(c.generate(PROMPTS[0], **seeded, gamma=4, gamma_policy="fixed").token_ids)
     assert sampled[0] == sampled[1] == sampled[2] == sampled[3]
+
+
+def test_openai_http_api_matches_grpc(server) -> None:
+    """The OpenAI-compatible port of the same server: the real SDK, greedy and seeded-sampled output
+    identical to gRPC's, streamed and not, with the speculation usage."""
+    import openai
+
+    c = server["client"]
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{server['handle'].http_port}/v1", api_key="none",
+                         max_retries=0, timeout=300)
+    model = http.models.list().data[0].id
+    for prompt in PROMPTS:
+        via_grpc = c.generate(prompt, max_new_tokens=24)
+        out = http.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=24, temperature=0)
+        assert out.choices[0].message.content == via_grpc.text
+        assert out.usage.completion_tokens == len(via_grpc.token_ids)
+        assert out.usage.model_extra["speculation"]["steps"] > 0
+    seeded = dict(max_tokens=24, temperature=0.8, seed=11)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    first = http.chat.completions.create(model=model, messages=messages, **seeded).choices[0].message.content
+    again = "".join(ch.choices[0].delta.content or "" for ch in http.chat.completions.create(
+        model=model, messages=messages, stream=True, **seeded) if ch.choices)
+    assert first == again == c.generate(PROMPTS[1], max_new_tokens=24, temperature=0.8, seed=11).text
+    raw = http.completions.create(model=model, prompt="def fib(n):", max_tokens=16, temperature=0)
+    assert raw.choices[0].text == c.generate(text="def fib(n):", max_new_tokens=16).text
+    http.close()
 
 
 def test_greedy_output_matches_transformers(server) -> None:

@@ -64,7 +64,7 @@ def server(tmp_path_factory, boot_drafter_dir):
     log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     store = tmp_path_factory.mktemp("vllm-online-store")
     cmd = [sys.executable, "-m", "specd.cluster.serve", "target.backend=vllm", "drafter=token",
-           f"drafter.path={boot_drafter_dir}", "spec=chain", f"server.port={port}",
+           f"drafter.path={boot_drafter_dir}", "spec=chain", f"server.port={port}", "server.http_port=0",
            f"server.metrics_port={metrics_port}", "target.max_slots=4", "target.max_seq_len=512",
            "server.max_queue=8", f"trainer.out_dir={store}", "trainer.update_every_records=2",
            "trainer.update_every_s=1", "trainer.holdout_every=2", "trainer.steps_per_update=2",

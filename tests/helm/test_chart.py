@@ -317,8 +317,8 @@ def test_network_policy_lets_only_the_router_ports_in_from_outside() -> None:
     assert [list(rule) for rule in internal["ingress"]] == [["from"]]
     peer = internal["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
     assert peer["app.kubernetes.io/instance"] == "rel"
-    # from anywhere: the head's gRPC and metrics ports, and no other
-    assert sorted(p["port"] for rule in router["ingress"] for p in rule["ports"]) == [9464, 50051]
+    # from anywhere: the head's gRPC, HTTP API and metrics ports, and no other
+    assert sorted(p["port"] for rule in router["ingress"] for p in rule["ports"]) == [8000, 9464, 50051]
     head = by_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["include-dashboard"] == "false"
     ports = {p["containerPort"] for c in head["template"]["spec"]["containers"] for p in c.get("ports", [])}
