@@ -175,7 +175,7 @@ def create_cluster(
 ) -> Cluster:
     """Reserve the placement group and start every actor (they load their models in the background;
     the first call on a handle waits for its constructor). versions: where the DraftWorkers read the
-    serving drafter version (specd.cluster.online.versions_spec), so that a drafter on another node, or
+    serving drafter version (specd.cluster.redis_server.versions_spec), so that a drafter on another node, or
     restarted on one, never needs this machine's disk; None: drafter.path on their own node."""
     import ray
 

@@ -78,7 +78,8 @@ def publish_first_version(cfg, res, model_dir: str) -> dict | None:
     """Open Redis (when replay is on) and publish the drafter this router starts from as the serving
     version there, unless one serves already; returns where DraftWorkers read versions (None: from
     drafter.path, no online adaptation). `res` is serve's resources: res.online_redis is set here."""
-    from specd.cluster.online import open_online_redis, versions_spec
+    from specd.cluster.online import open_online_redis
+    from specd.cluster.redis_server import versions_spec
     from specd.drafter_trainer.version_channel import publish_first_version as publish
     from specd.workers.drafters.registry import drafter_class
     from specd.workers.models.loader import default_cache_dir

@@ -40,20 +40,6 @@ class OnlineParts:
             self.managed_redis.stop()
 
 
-def versions_spec(cfg, endpoint) -> dict:
-    """Where DraftWorkers and the trainer find published drafter versions: Redis, under a prefix beside
-    the replay stream (workers/drafters/redis_versions.py). A configured server's password stays in each
-    process's environment (replay.password_env: every pod has the Secret); a managed server's generated
-    one travels, as the trainer's endpoint does."""
-    redis = {"url": endpoint.url, "ssl_ca_certs": endpoint.ssl_ca_certs,
-             "ssl_certfile": endpoint.ssl_certfile, "ssl_keyfile": endpoint.ssl_keyfile}
-    if cfg.replay.redis_url:
-        redis["password_env"] = cfg.replay.password_env
-    else:
-        redis["password"] = endpoint.password
-    return {"redis": redis, "prefix": f"{cfg.replay.stream}:drafters"}
-
-
 def open_online_redis(cfg):
     """(endpoint, managed server or None) when replay is on and Redis answers, else None; opened before
     the workers start, so that the first-start drafter reaches them through it."""
@@ -75,6 +61,7 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
     (a vLLM replica's, cluster/vllm_serve.py); opened: open_online_redis's result when the caller opened
     Redis already."""
     from specd.cluster.redact import redact_text
+    from specd.cluster.redis_server import versions_spec
     from specd.cluster.replay import ReplayRecorder
     from specd.cluster.replay_writer import ReplayWriter
     from specd.cluster.trainer_actor import start_trainer_actor

@@ -214,3 +214,17 @@ def open_redis(replay_cfg) -> tuple[RedisEndpoint, ManagedRedis | None]:
         return endpoint_from_config(replay_cfg), None
     managed = ManagedRedis(binary=replay_cfg.redis_server_bin).start()
     return managed.endpoint, managed
+
+
+def versions_spec(cfg, endpoint) -> dict:
+    """Where DraftWorkers and the trainer find published drafter versions: Redis, under a prefix beside
+    the replay stream (workers/drafters/redis_versions.py). A configured server's password stays in each
+    process's environment (replay.password_env: every pod has the Secret); a managed server's generated
+    one travels, as the trainer's endpoint does."""
+    redis = {"url": endpoint.url, "ssl_ca_certs": endpoint.ssl_ca_certs,
+             "ssl_certfile": endpoint.ssl_certfile, "ssl_keyfile": endpoint.ssl_keyfile}
+    if cfg.replay.redis_url:
+        redis["password_env"] = cfg.replay.password_env
+    else:
+        redis["password"] = endpoint.password
+    return {"redis": redis, "prefix": f"{cfg.replay.stream}:drafters"}

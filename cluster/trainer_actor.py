@@ -145,7 +145,7 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
 def versions_store(cfg, endpoint: RedisEndpoint, target_dir):
     """The trainer's own store (trainer.out_dir or its cache: its volume) mirrored to Redis, after
     adopting the version Redis serves (drafter_trainer/version_channel.py)."""
-    from specd.cluster.online import versions_spec
+    from specd.cluster.redis_server import versions_spec
     from specd.drafter_trainer.version_channel import MirroredStore, RedisMirror
     from specd.workers.drafters.versions import target_checksum
 

@@ -13,7 +13,8 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from specd.configs.schema import SpecdConfig, register
+from specd.configs.groups import register
+from specd.configs.schema import SpecdConfig
 from specd.configs.validate import ConfigError, check, from_hydra
 
 __all__ = ["ConfigError", "flatten", "load_config", "override_value", "SpecdConfig"]

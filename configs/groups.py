@@ -25,6 +25,7 @@ from specd.configs.schema import (
     ReplayConfig,
     ServerConfig,
     SpecConfig,
+    SpecdConfig,
     TargetConfig,
     TrainerConfig,
     TrainPositions,
@@ -127,3 +128,10 @@ def register_groups(cs: ConfigStore) -> None:
     for group, (package, options) in GROUPS.items():
         for name, node in options.items():
             cs.store(group=group, name=name, node=node, package=package)
+
+
+def register() -> None:
+    """The schema (`specd_schema`, what a yaml's defaults list names) and every group, in Hydra's store."""
+    cs = ConfigStore.instance()
+    cs.store(name="specd_schema", node=SpecdConfig)
+    register_groups(cs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -354,11 +353,3 @@ class SpecdConfig:
     cache_dir: str | None = None        # None = $SPECD_CACHE or ~/.cache/specd
     seed: int = 0                       # seed of the workers' generators (requests without their own seed)
     name: str = MISSING                 # a label for this configuration (shown in ServerInfo's config)
-
-
-def register() -> None:
-    from specd.configs.groups import register_groups
-
-    cs = ConfigStore.instance()
-    cs.store(name="specd_schema", node=SpecdConfig)
-    register_groups(cs)

@@ -73,3 +73,54 @@ def test_pyproject_installs_every_package_under_specd():
                    for top in PACKAGES for init in (REPO / top).rglob("__init__.py"))
     assert sorted(setuptools["packages"]) == found
     assert setuptools["package-dir"] == {f"specd.{top}": top for top in PACKAGES}
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """specd modules a file imports at run time (function-level imports included; `if TYPE_CHECKING:`
+    blocks left out: they never execute)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+               for n in ast.walk(node)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("specd."):
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("specd.")}
+    return names
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return "specd." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# bench/ still has three parent <-> mode-module pairs (serve/serve_vllm, osd/osd_arms,
+# overhead/overhead_router): each parent dispatches to the mode lazily and the mode reuses its helpers
+CYCLE_FREE = ["cluster", "workers", "drafter_trainer", "configs", "proto"]
+
+
+@pytest.mark.parametrize("package", CYCLE_FREE)
+def test_no_import_cycles_between_files(package):
+    files = sorted((REPO / package).rglob("*.py"))
+    graph = {_module_name(f): _runtime_imports(f) for f in files}
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    cycles = []
+
+    def visit(module: str, path: list[str], seen: set[str]) -> None:
+        for dep in sorted(graph[module]):
+            if dep in path:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in seen:
+                seen.add(dep)
+                visit(dep, [*path, dep], seen)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            done.add(module)
+            visit(module, [module], done)
+    assert not cycles, f"import cycles in {package}/: {cycles[:3]}"
