@@ -237,7 +237,7 @@ def write_plot(path: Path, summary: list[dict[str, Any]]) -> Path:
                    color="black")
     ax.set_xticks(list(xs), [f"{s['clients']} client(s)" for s in summary])
     ax.set_ylabel("ms from emission to the client")
-    ax.set_title("A streamed token's latency through each front end (bar: median, tick: p90)")
+    ax.set_title("Streamed token latency by front end (bar: median, tick: p90)", fontsize=10)
     ax.legend()
     return save_figure(fig, path)
 
