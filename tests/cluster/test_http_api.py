@@ -393,3 +393,17 @@ def test_tokens_and_tls_as_on_the_grpc_port(tmp_path) -> None:
     finally:
         stop_stack(lt, sched, grpc_srv, http)
         lt.close()
+
+
+def test_specd_generate_over_http(server, capsys) -> None:
+    from specd.cluster.cli import main
+
+    address = server["url"].removeprefix("http://")
+    assert main(["generate", "--http", "--address", address, "--raw", "A", "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "BCDE\n" and err.startswith("[length] 4 tokens")
+    assert main(["generate", "--http", "--address", address, "A", "--max-new-tokens", "5", "--stream"]) == 0
+    out, err = capsys.readouterr()
+    assert out == decode(target_only(chat_prompt("A"), 5)) + "\n" and "accepted" in err
+    assert main(["generate", "--http", "--address", address, "A", "--max-new-tokens", "99"]) == 1
+    assert "HTTP 400: max_tokens must be in [1, 32]" in capsys.readouterr().err
