@@ -333,6 +333,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"specd serve: invalid config: {err}", file=sys.stderr)
         return 2
+    if getattr(args, "check", False):
+        http = cfg.server.http_port if cfg.server.http_port is not None else "off"
+        print(f"specd serve: config OK ({cfg.name}: {cfg.target.backend} target on {cfg.target.device}, "
+              f"drafter {cfg.drafter.kind}, γ policy {cfg.spec.policy}, gRPC {cfg.server.host}:"
+              f"{cfg.server.port}, HTTP {http})")
+        return 0
     return serve(cfg)
 
 
@@ -367,11 +373,12 @@ def read_overrides_file(path: str | None) -> list[str]:
 
 def add_cli(subparsers) -> None:
     """Register `specd serve` (called by cluster/cli.py)."""
-    p = subparsers.add_parser("serve", help="start the gRPC server (local Ray by default)",
+    p = subparsers.add_parser("serve", help="start the gRPC and HTTP servers (local Ray by default)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_options(p)
+    p.add_argument("--check", action="store_true",
+                   help="validate the configuration (schema, ranges, groups) and exit: 0 = it would start")
     p.set_defaults(func=_cmd_serve)
-
 
 
 def main(argv: list[str] | None = None) -> int:
