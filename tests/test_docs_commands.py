@@ -124,11 +124,12 @@ def test_readme_table_states_the_schema_defaults() -> None:
             stated = stated * len(keys)
         for key, default in zip(keys, stated, strict=True):
             actual = values[key]
+            said = f"README says {key} defaults to {default}; schema: {actual}"
             if default == "unset":
-                assert actual in ("None", "null", ""), (key, actual)
+                assert actual in ("None", "null", ""), said
             elif re.fullmatch(r"\d+(\.\d+)?", default) and re.fullmatch(r"\d+(\.\d+)?", actual):
-                assert float(default) == float(actual), f"README: {key} defaults to {default}; schema: {actual}"
+                assert float(default) == float(actual), said
             else:
-                assert default == actual, f"README says {key} defaults to {default}; schema: {actual}"
+                assert default == actual, said
             checked += 1
     assert checked >= 15
