@@ -50,7 +50,8 @@ def open_online_redis(cfg):
     try:
         return open_redis(cfg.replay)
     except (OSError, RuntimeError) as exc:
-        log.warning("online adaptation off: no Redis (%s)", exc)
+        log.warning("online adaptation off: no Redis (%s); install redis-server or set replay.redis_url "
+                    "(replay.enabled=false says you mean it)", exc)
         return None
 
 

