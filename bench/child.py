@@ -123,13 +123,32 @@ def new_cell_result(cell: dict[str, Any]) -> dict[str, Any]:
         "paired_base_wall_s": None,
         "paired_base_tokens": None,
         "paired_groups": None,      # per group: [base wall s, base tokens, system wall s, system tokens]
-        # 1-min load average at the cell's start and end: on a shared machine it says how noisy it was.
+        # 1-min load average at the cell's start and end. It counts this process's own threads too, so
+        # on its own it cannot say whether anything else ran: other_cpus can (finish_cell)
         "loadavg": [os.getloadavg()[0]],
+        "_cpu_start": cpu_sample(),
     }
 
 
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(machine busy CPU-seconds, this process's CPU-seconds, monotonic seconds) now; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]         # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.monotonic()
+
+
 def finish_cell(result: dict[str, Any]) -> dict[str, Any]:
+    """Closes the cell's load record: other_cpus is the CPUs the rest of the machine kept busy on
+    average while the cell ran (machine busy time minus this process's, over the wall time)."""
     result["loadavg"].append(os.getloadavg()[0])
+    start, end = result.pop("_cpu_start", None), cpu_sample()
+    if start is not None and end is not None and end[2] > start[2]:
+        others = (end[0] - start[0]) - (end[1] - start[1])
+        result["other_cpus"] = round(max(others, 0.0) / (end[2] - start[2]), 3)
     return result
 
 

@@ -54,6 +54,7 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "peak_rss_mb": peak_rss_mb,
         "load_s": load_s,
         "loadavg_1m_max": max(cell["loadavg"]) if cell.get("loadavg") else None,
+        "other_cpus": cell.get("other_cpus"),
         "speculative_specd": speculative_specd,
         "speedup_vs_target_only": None,
         # --paired: over target-only run on the same groups in the same process, interleaved
@@ -120,6 +121,8 @@ def merge_rounds(rounds: list[Row]) -> Row:
         row[key] = sum(r[key] for r in rounds)
     loads = [r["loadavg_1m_max"] for r in rounds if r.get("loadavg_1m_max") is not None]
     row["loadavg_1m_max"] = max(loads) if loads else None
+    others = [r["other_cpus"] for r in rounds if r.get("other_cpus") is not None]
+    row["other_cpus"] = max(others) if others else None
     groups = [g for r in rounds for g in r.get("paired_groups") or []]
     row["paired_groups"] = groups or None
     row["paired_ci95"] = paired_interval(groups)

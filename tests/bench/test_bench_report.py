@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -165,3 +166,20 @@ def test_json_and_plot_files(tmp_path):
     assert [r["system"] for r in data["rows"]] == ["target-only", "specd-chain", "target-only"]
     png = write_plot(tmp_path / "bench.png", rows, ["target-only", "specd-chain"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_busy_warning_counts_other_processes_not_the_bench_itself() -> None:
+    from specd.bench.child import finish_cell, new_cell_result
+    from specd.bench.engine import OTHER_CPUS_BUSY, busy_warnings
+
+    cell = new_cell_result({"workload": "w", "batch": 1, "temperature": 0.0, "prompts": [[1]]})
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:      # this process's own work is not "other processes"
+        sum(range(1000))
+    cell = finish_cell(cell)
+    assert "_cpu_start" not in cell and cell["other_cpus"] >= 0.0
+    # the bench's own two threads lift the load average past 2 CPUs on an idle machine: not busy
+    assert busy_warnings([{"other_cpus": 0.05, "loadavg_1m_max": 2.2}]) == []
+    assert "0.90 CPUs" in busy_warnings([{"other_cpus": 0.9, "loadavg_1m_max": 2.2}])[0]
+    assert OTHER_CPUS_BUSY < 0.9
+    assert "may have been busy" in busy_warnings([{"loadavg_1m_max": 3.5}])[0]
