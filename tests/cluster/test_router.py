@@ -251,3 +251,23 @@ def test_not_serving_before_the_backend_is_attached() -> None:
     finally:
         lt.run(srv.stop(0))
         lt.close()
+
+
+def test_async_client_generates_streams_and_reads_server_info(server) -> None:
+    from specd.cluster.client import AsyncSpecdClient
+
+    async def run():
+        client = AsyncSpecdClient(server["address"], timeout=30)
+        try:
+            outs = await asyncio.gather(*[client.generate(text=ch, max_new_tokens=4) for ch in "AB"])
+            chunks = [c async for c in client.stream(text="C", max_new_tokens=5)]
+            info = await client.server_info()
+            return outs, chunks, info
+        finally:
+            await client.close()
+
+    outs, chunks, info = asyncio.run(run())
+    assert [o.token_ids for o in outs] == [target_only([33], 4), target_only([34], 4)]
+    assert [t for c in chunks for t in c.token_ids] == target_only([35], 5)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage["completion_tokens"] == 5
+    assert info["model"] == "fake"

@@ -310,6 +310,7 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release) -> None:
     effects = {}
     for name in ("trainer", "draft", "target", "redis", "head"):
         pod = release.pods[name]
+        serving_before = release.redis_current()
         killed = time.monotonic()
         pod.kill()
         ok = failed = 0
@@ -331,6 +332,16 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release) -> None:
         effects[name] = (recovered, ok, failed)
         print(f"restart of pod {name}: ready again after {recovered:.1f} s; meanwhile {ok} requests "
               f"succeeded (exact), {failed} failed", flush=True)
+        if name == "trainer":
+            # the restarted trainer pod learns and publishes again: a version after the one that served
+            deadline, i = time.monotonic() + 600, 0
+            while release.redis_current() == serving_before:
+                p = PROMPTS[i % len(PROMPTS)]
+                assert c.generate(prompt=p, max_new_tokens=NEW_TOKENS).token_ids == reference[p]
+                i += 1
+                assert time.monotonic() < deadline, f"no publish after the trainer restart\n{release.tail()}"
+            print(f"the restarted trainer published {release.redis_current()} after {serving_before}",
+                  flush=True)
         if name in ("draft", "head"):
             # the (re)started DraftWorker drafts with the version that serves, from Redis
             serving = release.redis_current()
