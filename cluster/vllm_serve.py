@@ -15,10 +15,22 @@ log = logging.getLogger(__name__)
 
 def actor_options(cfg) -> dict:
     """One actor per replica: the target's CPUs and GPUs (the proposer runs in its process, on its device);
-    concurrency so that poll() long-polls while submit() and abort() come in."""
+    concurrency so that poll() long-polls while submit() and abort() come in.
+
+    On cuda the actor reserves whole GPUs, target.tensor_parallel_size of them, unless target.num_gpus
+    says otherwise: vLLM sizes its KV cache from a share of each GPU's memory
+    (target.gpu_memory_utilization), so a GPU it shares unreserved with another replica or the trainer
+    would run out of memory. Ray then sets the actor's CUDA_VISIBLE_DEVICES to exactly those GPUs."""
+    gpus = float(cfg.target.num_gpus)
+    if gpus == 0 and cfg.target.device == "cuda":
+        gpus = float(cfg.target.tensor_parallel_size)
+    if cfg.target.device == "cuda" and gpus < cfg.target.tensor_parallel_size:
+        raise ValueError(f"target.num_gpus={cfg.target.num_gpus} is fewer than "
+                         f"target.tensor_parallel_size={cfg.target.tensor_parallel_size}")
     return {
         "num_cpus": max(float(cfg.target.num_cpus), 0.01),
-        "num_gpus": float(cfg.target.num_gpus),
+        "num_gpus": gpus,
+        "resources": dict(cfg.target.resources or {}),
         "max_concurrency": 8,
     }
 

@@ -46,6 +46,8 @@ def load_config(
         raise ConfigError(f"config {config_name!r} does not build on specd_schema (add it to its defaults)")
     if validated.drafter.max_seq_len is None:
         validated.drafter.max_seq_len = validated.target.max_seq_len
+    if validated.drafter.device is None:        # a GPU target drafts on a GPU unless told otherwise
+        validated.drafter.device = validated.target.device
     check(validated)
     return validated
 

@@ -93,6 +93,11 @@ class TargetConfig:
     decode: Decode = Decode.auto
     num_gpus: float = 0.0               # Ray GPUs per target replica; 0 on cuda = placed automatically
     num_cpus: float = 1.0               # Ray CPUs per target replica
+    # backend=vllm on cuda: GPUs one replica's engine shards the model over (tensor parallelism; the
+    # replica's actor reserves that many whole GPUs on one node); the torch backend takes 1 only
+    tensor_parallel_size: int = 1
+    # backend=vllm on cuda: the share of each of its GPUs' memory the engine may take (weights and KV)
+    gpu_memory_utilization: float = 0.9
     # Ray restarts of a dead TargetWorker (-1: always). Its requests cannot go on (their KV is gone):
     # those that streamed nothing start again on another replica, the others end UNAVAILABLE.
     max_restarts: int = 10
@@ -122,7 +127,7 @@ class DrafterConfig:
     # when False, the token-only one (boot-default). The vLLM backend always takes the token-only one:
     # vLLM does not hand its hidden states to a proposer.
     target_hidden: bool = True
-    device: Device = Device.cpu         # cpu or cuda
+    device: Device | None = None        # cpu or cuda; None = the target's device
     # The drafter is memory-bound at small batch: bfloat16 halves its bytes per token
     # (docs/decisions/model-drafter-defaults.md). Verification stays exact whatever its precision.
     dtype: DType = DType.bfloat16

@@ -34,6 +34,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "spec.egag_threshold": (0, None), "spec.egag_beta": (0, None), "spec.confidence_threshold": (0, 1),
     "sampling.max_new_tokens_default": (1, None), "sampling.max_new_tokens_cap": (1, None),
     "sampling.temperature_max": (0, None),
+    "target.tensor_parallel_size": (1, None), "target.gpu_memory_utilization": (0.01, 1),
     "server.port": (0, 65535), "server.health_port": (0, 65535), "server.metrics_port": (0, 65535),
     "server.http_port": (0, 65535),
     "server.max_queue": (1, None), "server.max_running": (1, None), "server.pipeline_groups": (1, 2),
@@ -86,6 +87,9 @@ def check(cfg: Any) -> None:
     if sampling.max_new_tokens_default > sampling.max_new_tokens_cap:
         raise _bad("sampling.max_new_tokens_default", sampling.max_new_tokens_default,
                    f"must be <= sampling.max_new_tokens_cap={sampling.max_new_tokens_cap}")
+    if cfg.target.tensor_parallel_size > 1 and cfg.target.backend != "vllm":
+        raise _bad("target.tensor_parallel_size", cfg.target.tensor_parallel_size,
+                   "needs target.backend=vllm (the torch backend runs a target on one device)")
     server = cfg.server
     if bool(server.tls_cert_file) != bool(server.tls_key_file):
         raise _bad("server.tls_cert_file", server.tls_cert_file,

@@ -130,6 +130,17 @@ def proposer_settings(
     )
 
 
+def engine_gpu_kwargs(cfg) -> dict:
+    """vLLM engine arguments of a CUDA target: its memory share and tensor parallelism. With more than one
+    GPU the engine's workers are processes of the replica's actor ("mp"), on the GPUs Ray reserved for
+    that actor (cluster/vllm_serve.py), and inherit its environment (the proposer's settings)."""
+    out: dict = {"gpu_memory_utilization": float(cfg.target.gpu_memory_utilization),
+                 "tensor_parallel_size": int(cfg.target.tensor_parallel_size)}
+    if cfg.target.tensor_parallel_size > 1:
+        out["distributed_executor_backend"] = "mp"
+    return out
+
+
 class VllmEngine:
     """Same generate() as SpecEngine, on a vLLM target. One engine per process at a time is the safe use."""
 
@@ -178,6 +189,8 @@ class VllmEngine:
             enforce_eager=cfg.target.device == "cpu",
             speculative_config=spec_cfg,
         )
+        if cfg.target.device == "cuda":
+            kwargs.update(engine_gpu_kwargs(cfg))
         if cfg.target.device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             # As large as the torch target's cache (max_slots x max_seq_len), not vLLM's default 4 GiB.
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
