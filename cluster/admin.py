@@ -108,6 +108,11 @@ def plan_update(current: dict[str, str], overrides: list[str]):
     stray = sorted(set(changed) - set(LIVE_KEYS))
     if stray:   # a live key must not move anything else (defensive: the round trip is exact)
         raise ConfigError(f"the change would also move {', '.join(stray)}; refused")
+    engine_wide = sorted(k for k in changed if k.startswith("spec.") and k != "spec.enabled")
+    if cfg.target.backend == "vllm" and engine_wide:
+        # vLLM's speculative config (num_speculative_tokens, the proposer's policy) is fixed at start
+        raise ConfigError(f"{', '.join(engine_wide)} cannot change live on target.backend=vllm: the vLLM "
+                          "engine's speculative config is set at start (restart with it)")
     return cfg, changed
 
 
@@ -138,6 +143,10 @@ class AdminServicer(serving_pb2_grpc.SpecdAdminServicer):
                                                        list(request.overrides))
             except ConfigError as err:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, redact_text(str(err)))
+            if "spec.enabled" in changed and not backend.bounds.per_request_speculation:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "spec.enabled cannot change live here: this vLLM engine's proposer does "
+                                    "not hear request settings (restart with it)")
             if "drafter.version_pin" in changed:
                 pin = cfg.drafter.version_pin
                 try:

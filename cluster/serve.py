@@ -175,7 +175,7 @@ async def _bring_up(
 
     vllm = cfg.target.backend == "vllm"
     if vllm:
-        from specd.cluster.vllm_serve import ReplicaDrafter, vllm_scheduler
+        from specd.cluster.vllm_serve import ReplicaDrafter, vllm_bounds, vllm_scheduler
 
         drafters = [ReplicaDrafter(a) for a in res.vllm_actors]
     else:
@@ -214,8 +214,11 @@ async def _bring_up(
         res.tasks.append(asyncio.create_task(follow_trainer(res.online, str(model_dir),
                                                             cfg.drafter.version_pin)))
 
+    bounds = Bounds.from_config(cfg, info)
+    if vllm:
+        bounds = vllm_bounds(bounds, cfg, info)
     backend = Backend(
-        scheduler=res.scheduler, codec=codec, bounds=Bounds.from_config(cfg, info), model=info["model"],
+        scheduler=res.scheduler, codec=codec, bounds=bounds, model=info["model"],
         eos_token_ids=tuple(info["eos_token_ids"]), replicas=len(infos),
         pipeline_groups=cfg.server.pipeline_groups, max_queue=cfg.server.max_queue, metrics=metrics,
         config=flatten(cfg), drafters=[] if vllm else [r.drafter for r in res.cluster.replicas],

@@ -63,6 +63,8 @@ class Bounds:
     policies: tuple[str, ...] = tuple(sorted(GAMMA_POLICIES))
     # longest text or chat prompt in characters, checked before tokenizing; 0 = derived from max_seq_len
     max_prompt_chars: int = 0
+    # False: a request may not set speculation on/off or γ (a vLLM engine whose proposer cannot hear them)
+    per_request_speculation: bool = True
 
     @property
     def prompt_chars_limit(self) -> int:
@@ -205,6 +207,12 @@ def _spec(opts: serving_pb2.SpeculationOptions, bounds: Bounds) -> SpecParams:
     if enabled and not bounds.spec_enabled:
         raise InvalidRequest("speculation is disabled on this server (spec.enabled=false)")
     gamma = opts.gamma if opts.HasField("gamma") else bounds.gamma_default
+    fixed = not bounds.per_request_speculation
+    if fixed and (enabled != bounds.spec_enabled or gamma != bounds.gamma_default):
+        field = "enabled" if enabled != bounds.spec_enabled else "gamma"
+        raise InvalidRequest(f"speculation.{field} cannot be set per request on this server: its vLLM "
+                             "engine's proposer runs outside the serving process, where request settings "
+                             "do not reach it (speculation is engine-wide here)")
     if not bounds.gamma_min <= gamma <= bounds.gamma_max:
         raise InvalidRequest(f"gamma must be in [{bounds.gamma_min}, {bounds.gamma_max}], got {gamma}")
     width = opts.tree_width if opts.HasField("tree_width") else bounds.tree_width_default

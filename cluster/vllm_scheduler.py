@@ -9,8 +9,9 @@ vLLM (its slot and KV blocks freed); tokens that still arrive for it are dropped
 
 What vLLM's interface cannot do is said at start (`vllm_limits`), not silently dropped: its rejection
 sampler takes drafts as one-hot, so drafts are greedy (no sampled drafts with q) and chains only (no
-trees); γ and the γ policy are engine-wide, so per-request gamma, tree_width, gamma_policy and
-speculation=false are accepted but not applied per request (logged once).
+trees); the γ policy is engine-wide. A request's speculation on/off and γ cap reach specd's proposer
+(workers/engine/vllm_link.py); a tree width, another γ policy, or settings the engine cannot hear are
+refused with INVALID_ARGUMENT at the router (cluster/vllm_serve.py: vllm_bounds).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def vllm_limits(cfg) -> list[str]:
         out.append("token trees (spec.tree_width/tree_width_max > 1): vLLM verifies chains only")
     out.append("sampled drafts with q: vLLM verifies drafts as one-hot, so specd's proposer drafts greedily "
                "(lossless at every temperature)")
-    out.append("per-request gamma, gamma_policy, tree_width and speculation=false: vLLM's speculative "
-               f"config is engine-wide (spec.gamma={cfg.spec.gamma} budget, spec.policy={cfg.spec.policy})")
+    out.append(f"per-request gamma_policy and tree_width: vLLM's speculative config is engine-wide "
+               f"(spec.policy={cfg.spec.policy}; requests are refused otherwise)")
     if cfg.server.pipeline_groups > 1:
         out.append("server.pipeline_groups: vLLM runs the drafter in line with the target")
     return out
@@ -89,7 +90,6 @@ class VllmScheduler(Admission):
         self._requests: dict[str, ServedRequest] = {}
         self._tasks: list[asyncio.Task] = []
         self._closing = False
-        self._warned_per_request = False
         self._ignore_eos: dict[str, bool] = {}
         self.finished = 0
         self.tokens_generated = 0
@@ -158,7 +158,6 @@ class VllmScheduler(Admission):
                 break
             rep = min(free, key=_VllmReplica.size)
             req = self._waiting.popleft()
-            self._check_per_request(req.new)
             req.stats.started_at = time.perf_counter()
             req.stats.replica = rep.index
             rep.members[req.id] = req
@@ -166,13 +165,6 @@ class VllmScheduler(Admission):
             rep.actor.submit.remote([req.new], self._ignore_eos.pop(req.id, False))
         self.observer.on_queue(len(self._waiting), self.running())
 
-    def _check_per_request(self, new: NewRequest) -> None:
-        if self._warned_per_request or new.request_id.startswith(("warmup-", "health-")):
-            return
-        if new.spec.tree_width > 1 or not new.spec.enabled:
-            log.warning("target.backend=vllm: per-request speculation settings are not applied (vLLM's "
-                        "speculative config is engine-wide); logged once")
-            self._warned_per_request = True
 
     # ---- events --------------------------------------------------------------------------------
     async def _pump(self, rep: _VllmReplica) -> None:

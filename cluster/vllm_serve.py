@@ -90,6 +90,18 @@ class ReplicaDrafter:
         return (await self.actor.stats.remote())["swaps"]
 
 
+def vllm_bounds(bounds, cfg, info: dict):
+    """What a request may ask of a vLLM target: chains only (no tree_width > 1), the engine's γ policy,
+    γ within its num_speculative_tokens (spec.gamma), and per-request on/off and γ only where the
+    engine's proposer hears them (info's per_request_speculation). Beyond that, INVALID_ARGUMENT."""
+    import dataclasses
+
+    return dataclasses.replace(
+        bounds, tree_width_default=1, tree_width_max=1, policies=(str(cfg.spec.policy),),
+        gamma_max=min(bounds.gamma_max, cfg.spec.gamma),
+        per_request_speculation=bool(info.get("per_request_speculation", False)))
+
+
 def vllm_scheduler(cfg, res, capacity: list[int], info: dict, observer) -> VllmScheduler:
     return VllmScheduler(res.vllm_actors, capacity=capacity, max_queue=cfg.server.max_queue,
                          max_running=cfg.server.max_running, eos_token_ids=info["eos_token_ids"],

@@ -191,3 +191,14 @@ def test_plan_update_round_trips_awkward_strings() -> None:
     current["target.model_path"] = values[4]
     cfg, changed = plan_update(current, ["spec.gamma=3"])
     assert changed == {"spec.gamma": "3"} and cfg.target.model_path == values[4]
+
+
+def test_vllm_engine_wide_speculation_keys_are_refused_live() -> None:
+    from specd.cluster.admin import plan_update
+    from specd.configs import ConfigError, flatten, load_config
+
+    current = flatten(load_config(["target.backend=vllm"]))
+    with pytest.raises(ConfigError, match="spec.gamma cannot change live on target.backend=vllm"):
+        plan_update(current, ["spec.gamma=2"])
+    _, changed = plan_update(current, ["spec.enabled=false"])     # per request, the proposer hears it
+    assert changed == {"spec.enabled": "false"}

@@ -4,6 +4,8 @@ the target's device unless set, and what the torch backend refuses."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from specd.cluster.vllm_serve import actor_options
@@ -53,3 +55,33 @@ def test_the_drafter_follows_the_target_device_unless_set() -> None:
 def test_bad_sizes_are_refused_by_name(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
         load_config(overrides)
+
+
+def test_a_vllm_router_refuses_what_its_engine_cannot_do_per_request() -> None:
+    from specd.cluster.validation import Bounds, InvalidRequest, validate_request
+    from specd.cluster.vllm_serve import vllm_bounds
+    from specd.proto.specd.v1 import serving_pb2
+
+    class Codec:
+        def encode(self, text):
+            return [1, 2, 3]
+
+    config = cfg("spec.gamma=3", "spec.gamma_max=8", "spec.tree_width_max=4")
+    base = Bounds.from_config(config, {"vocab_size": 100, "max_seq_len": 64})
+
+    def request(**spec):
+        return serving_pb2.GenerateRequest(text="x", speculation=serving_pb2.SpeculationOptions(**spec))
+
+    hears = vllm_bounds(base, config, {"per_request_speculation": True})
+    assert (hears.tree_width_max, hears.gamma_max, hears.policies) == (1, 3, ("goodput",))
+    assert validate_request(request(enabled=False), hears, Codec()).spec.enabled is False
+    assert validate_request(request(gamma=1), hears, Codec()).spec.gamma == 1
+    for spec, message in ((dict(tree_width=2), "tree_width must be in [1, 1]"),
+                          (dict(gamma=5), "gamma must be in [0, 3]"),
+                          (dict(gamma_policy="egag"), "gamma_policy 'egag' is not one of ['goodput']")):
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            validate_request(request(**spec), hears, Codec())
+    deaf = vllm_bounds(base, config, {"per_request_speculation": False})
+    with pytest.raises(InvalidRequest, match="speculation.enabled cannot be set per request"):
+        validate_request(request(enabled=False), deaf, Codec())
+    assert validate_request(request(), deaf, Codec()).spec.enabled is True

@@ -3,8 +3,8 @@
 One server for the module (vLLM's engine start dominates: about 80 s to SERVING on the 2-core machine under
 load). It serves with specd's token-only model drafter as vLLM's custom_class proposer, with replay records
 and the online trainer on (its gate set to publish every candidate); checks health, concurrent unary and
-streaming greedy requests against target-only decoding (transformers' greedy, float32: vLLM's speculation
-is engine-wide, so "speculation off" is the target alone), that a cancelled stream and an expired deadline
+streaming greedy requests against target-only decoding (transformers' greedy, float32), a request with
+speculation off that drafts nothing and one whose γ cap holds, that a cancelled stream and an expired deadline
 free their vLLM requests (specd_vllm_unfinished_requests back to 0), the metrics, and that a version the
 trainer published from the served records is swapped into the proposer and drafts, output still exact.
 """
@@ -192,6 +192,20 @@ def test_bad_input_is_refused_as_with_the_torch_backend(server) -> None:
     with pytest.raises(grpc.RpcError) as err:
         server["client"].generate("hi", max_new_tokens=0)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_per_request_speculation_is_honoured_or_refused(server, reference) -> None:
+    """Speculation off drafts nothing for that request (and the output stays exact); a γ cap holds;
+    what vLLM cannot do per request (a tree, another γ policy) is refused by name."""
+    c = server["client"]
+    off = c.generate(PROMPTS[0], max_new_tokens=24, speculation=False)
+    assert off.token_ids == reference[0] and off.usage["drafted"] == 0
+    capped = c.generate(PROMPTS[1], max_new_tokens=24, gamma=1)
+    assert capped.token_ids == reference[1] and len(capped.usage["drafted_per_position"]) <= 1
+    for kw, name in ((dict(tree_width=2), "tree_width"), (dict(gamma_policy="egag"), "gamma_policy")):
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(PROMPTS[0], max_new_tokens=4, **kw)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
 
 
 def drafted_by_version(server) -> dict[str, float]:

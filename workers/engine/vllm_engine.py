@@ -222,6 +222,10 @@ class VllmEngine:
             "backend": "vllm",
             "speculation": self.mode,
             "drafter_version": self.drafter_version,
+            # a request's speculation on/off and γ cap reach the proposer (vllm_link.py): only specd's
+            # proposer, and only where it runs in this process
+            "per_request_speculation": bool(self.mode == "specd" and self.link is not None
+                                            and self.link.in_process()),
         }
 
     def version(self) -> str | None:
@@ -353,6 +357,10 @@ class VllmEngine:
             # vLLM request ids must be unique over the engine's life; ours may repeat across calls.
             vllm_id = f"{req.request_id}#{self._count}"
             prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids))
+            if self.link is not None:
+                # the proposer drafts for it as it asks (vllm_link.py): nothing with speculation off
+                key = prefix_key(np.asarray(req.prompt_token_ids))
+                self.link.expect(key, req.spec.enabled, req.spec.gamma)
             self.llm.llm_engine.add_request(vllm_id, prompt, self._sampling(req, ignore_eos))
             self._live[vllm_id] = (seq, [], [])
             seqs.append(seq)

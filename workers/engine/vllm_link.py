@@ -8,6 +8,10 @@ runs in the engine's process (the serving actor sets VLLM_ENABLE_V1_MULTIPROCESS
   they were drafted after (prefix_key); the engine reads them back when the request finishes, for its
   replay records and per-version metrics (vLLM itself reports per-step counts only);
 - serving_version and swap_stats: which weights draft now, and the hot swaps the proposer applied;
+- per-request speculation: the engine files each request's settings (on or off, its γ cap) under the key
+  of its prompt (`expect`); the proposer claims them when the request's row first appears (`claim`), so
+  a request sent with speculation off drafts nothing and a γ cap holds, though vLLM's speculative config
+  is engine-wide;
 - the start-up cost sweep: the engine sets `force_gamma`, the proposer then returns that many throwaway
   drafts per row and records how long vLLM took to verify them (`samples`); the engine turns the samples
   into a verify table (`verify_table`) and hands it back through `profile` for the planner's cost model.
@@ -42,6 +46,8 @@ class ProposerLink:
         self.samples: list[tuple[int, int, float]] = []     # sweep: (rows, tokens per row, seconds)
         self.profile: dict | None = None                    # the verify table for the proposer to take
         self._entries: OrderedDict[bytes, tuple[list[int], str]] = OrderedDict()
+        # prompt key -> settings of the requests with that prompt not yet seen by the proposer, in order
+        self._specs: OrderedDict[bytes, list[tuple[bool, int]]] = OrderedDict()
         self._lock = threading.Lock()
 
     def in_process(self) -> bool:
@@ -58,6 +64,25 @@ class ProposerLink:
     def pop(self, key: bytes) -> tuple[list[int], str] | None:
         with self._lock:
             return self._entries.pop(key, None)
+
+    def expect(self, prompt_key: bytes, enabled: bool, gamma: int) -> None:
+        """A request with this prompt comes: draft for it (enabled) at most `gamma` tokens a step."""
+        with self._lock:
+            self._specs.setdefault(prompt_key, []).append((enabled, gamma))
+            self._specs.move_to_end(prompt_key)
+            while len(self._specs) > self.capacity:       # requests aborted before their first step
+                self._specs.popitem(last=False)
+
+    def claim(self, prompt_key: bytes) -> tuple[bool, int] | None:
+        """The settings of the oldest unseen request with this prompt (None: none filed, engine defaults)."""
+        with self._lock:
+            queue = self._specs.get(prompt_key)
+            if not queue:
+                return None
+            spec = queue.pop(0)
+            if not queue:
+                del self._specs[prompt_key]
+            return spec
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -22,8 +22,10 @@ What vLLM gives us and what it does not (0.32, vllm/v1/worker/gpu_model_runner.p
 - Drafts are verified as one-hot (vLLM reads draft probabilities only from its own model drafters), which
   is lossless at every temperature; so the drafter always drafts greedily, and sampled drafts with q
   (min(1, p/q) acceptance) and token trees are torch-backend features.
-- No per-request settings reach the proposer: γ policy and budget are the engine's (spec.policy,
-  spec.gamma), and γ never exceeds num_speculative_tokens.
+- No per-request settings reach the proposer through vLLM: γ policy and budget are the engine's
+  (spec.policy, spec.gamma), and γ never exceeds num_speculative_tokens. Through the link (below) a
+  request's speculation on/off and γ cap do: a row claims its request's settings when it first appears,
+  and a request with speculation off is tracked (so its row is known the next step) but never drafted for.
 
 Where the proposer runs in the engine's process it shares a `ProposerLink` with VllmEngine
 (workers/engine/vllm_link.py): it files what it drafted (vLLM reports per-step counts only), reports its
@@ -117,6 +119,8 @@ class _Tracked:
     key: bytes                          # prefix_key of the committed context the drafter holds
     drafted: list[int] = field(default_factory=list)   # drafts of the open step
     idle: int = 0                       # propose calls since a row last continued it
+    enabled: bool = True                # the request's speculation on (off: tracked, never drafted for)
+    gamma_cap: int | None = None        # the request's γ budget (None: the engine's)
 
 
 class SpecdProposer:
@@ -191,9 +195,20 @@ class SpecdProposer:
             history = token_ids_cpu[i, :n]
             # A step emits accepted + 1 tokens and the row may not grow past max_model_len.
             gamma = max(0, min(self.gamma, self.max_model_len - n - 1))
-            seq = self._take(prefix_key(history[: n - len(sampled)]))
+            before = prefix_key(history[: n - len(sampled)])
+            seq = self._take(before)
             if seq is None:
-                seq = _Tracked(self._new_id(), b"")
+                # a new request's first row: its history before the first token is its prompt
+                enabled, cap = self.link.claim(before) or (True, None)
+                seq = _Tracked(self._new_id(), b"", enabled=enabled, gamma_cap=cap)
+            if seq.gamma_cap is not None:
+                gamma = min(gamma, seq.gamma_cap)
+            seq.idle = 0
+            if not seq.enabled:
+                seq.key = prefix_key(history)
+                self.tracked.setdefault(seq.key, []).append(seq)
+                continue
+            if seq.key == b"":
                 request = NewRequest(
                     seq.request_id, history[:-1].tolist(), SamplingParams(), self.max_model_len, self.spec
                 )
@@ -204,7 +219,6 @@ class SpecdProposer:
                 # vLLM may have trimmed the drafts, and whatever it did, the drafter continues from them.
                 accepted = common_prefix(seq.drafted, list(sampled[:-1]))
                 items.append(DraftItem(seq.request_id, gamma, accepted, [int(t) for t in sampled]))
-            seq.idle = 0
             rows.append((i, seq, history))
         self._evict(needed=len(starts))
         if starts:
@@ -292,21 +306,24 @@ class SpecdProposer:
         idle = [seq for bucket in self.tracked.values() for seq in bucket]
         for seq in idle:
             seq.idle += 1
-        free = self.worker.max_slots() - len(self.worker.requests)
-        idle.sort(key=lambda s: -s.idle)
         drop = [s for s in idle if s.idle > self.settings.max_idle_steps]
-        for seq in idle[len(drop):]:
-            if free + len(drop) >= needed:
+        # only requests that draft hold a drafter slot; one with speculation off stays until it goes stale
+        free = self.worker.max_slots() - len(self.worker.requests) + sum(s.enabled for s in drop)
+        stale = {id(s) for s in drop}
+        for seq in sorted((s for s in idle if s.enabled and id(s) not in stale), key=lambda s: -s.idle):
+            if free >= needed:
                 break
             drop.append(seq)
+            free += 1
         for seq in drop:
             bucket = self.tracked[seq.key]
             bucket.remove(seq)
             if not bucket:
                 del self.tracked[seq.key]
-        if drop:
-            self.worker.release([s.request_id for s in drop])
-            self.planner.release([s.request_id for s in drop])
+        drafted = [s.request_id for s in drop if s.enabled]     # requests with speculation off never started
+        if drafted:
+            self.worker.release(drafted)
+            self.planner.release(drafted)
 
     def _swap_stat(self) -> float | None:
         swap = self.settings.swap_file

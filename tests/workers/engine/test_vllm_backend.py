@@ -301,3 +301,40 @@ def test_vllm_backend_greedy_equals_vllm_greedy_on_gsm8k(monkeypatch):
         top1 = [ids[0] for r in results for ids in r.teacher_topk_ids]
         emitted = [t for r in results for t in r.new_tokens]
         assert np.mean(np.array(top1) == np.array(emitted)) > 0.99  # greedy: the target's top-1 (ties aside)
+
+
+def test_per_request_speculation_off_and_gamma_caps_are_honoured(tmp_path):
+    from specd.workers.engine.vllm_link import prefix_key
+
+    proposer = make_proposer(tmp_path, "ngram", min_ngram=1, max_ngram=3)
+    off, capped, free = PROMPTS[0], PROMPTS[1], PROMPTS[3]
+    # what VllmEngine.submit files for each request before vLLM schedules it
+    proposer.link.expect(prefix_key(np.array(off)), False, 4)
+    proposer.link.expect(prefix_key(np.array(capped)), True, 1)
+    fake = FakeVllm([off, capped, free], max_new=40)
+    started = []
+    original = proposer.worker.start
+
+    def recording_start(requests, first_tokens):
+        started.extend(r.prompt_token_ids for r in requests)
+        original(requests, first_tokens)
+
+    proposer.worker.start = recording_start
+    drafted = {0: 0, 1: 0, 2: 0}
+    longest = {0: 0, 1: 0, 2: 0}
+    for _ in range(40):
+        for r, draft in fake.step(proposer).items():
+            drafted[r] += len(draft)
+            longest[r] = max(longest[r], len(draft))
+    assert drafted[0] == 0, "a request with speculation off drafts nothing, on every step"
+    assert 0 < longest[1] <= 1 and longest[2] > 1
+    # the request with speculation off never took a drafter slot (its row was known on every step)
+    assert sorted(started) == sorted([capped, free])
+    assert fake.histories[0][len(off):] == target_row(off, len(fake.histories[0]) - len(off))
+
+
+def target_row(prompt: list[int], n: int) -> list[int]:
+    out = list(prompt)
+    for _ in range(n):
+        out.append(oracle(out))
+    return out[len(prompt):]
