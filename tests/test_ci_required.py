@@ -1,6 +1,6 @@
 """The suite's CI rule (tests/ci_required.py), run through a real pytest: with CI set, a skipped
-`ci_required` test fails the run; without CI it is a skip; other skips stay skips either way; tests
-that use the real model are marked slow."""
+`ci_required` test fails the run, and so does any other skip not on the allow-list (CI_SKIPS); a listed
+one stays a skip; without CI every skip is a skip; tests that use the real model are marked slow."""
 
 from __future__ import annotations
 
@@ -29,8 +29,20 @@ def test_real_model(target_model_dir):
 '''
 
 
+# a test at the id CI_SKIPS lists (the rootdir is tmp_path, so ids are relative to it)
+LISTED = '''
+import pytest
+
+def test_cuda_graphs_match_eager():
+    pytest.skip("CUDA graph capture needs a GPU")
+'''
+
+
 def _pytest(tmp_path: Path, ci: str | None, *args: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_sample.py").write_text(SAMPLE)
+    listed = tmp_path / "tests" / "workers" / "engine"
+    listed.mkdir(parents=True, exist_ok=True)
+    (listed / "test_static_decode.py").write_text(LISTED)
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = str(REPO)
     if ci is not None:
@@ -40,16 +52,19 @@ def _pytest(tmp_path: Path, ci: str | None, *args: str) -> subprocess.CompletedP
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_a_ci_required_skip_fails_in_ci_only(tmp_path) -> None:
+def test_skips_fail_in_ci_unless_listed(tmp_path) -> None:
     ci = _pytest(tmp_path, "true")
     assert ci.returncode == 1, ci.stdout
-    assert "1 failed, 1 passed, 1 skipped" in ci.stdout
+    assert "2 failed, 1 passed, 1 skipped" in ci.stdout
     assert "is ci_required but was skipped in CI" in ci.stdout and "no drafter in the cache" in ci.stdout
+    assert "test_optional was skipped in CI (Skipped: optional tool missing) and is not on the allow-list" \
+        in ci.stdout
+    assert "SKIPPED [1] tests/workers/engine/test_static_decode.py" in ci.stdout    # listed: a skip
     local = _pytest(tmp_path, None)
-    assert local.returncode == 0 and "1 passed, 2 skipped" in local.stdout, local.stdout
+    assert local.returncode == 0 and "1 passed, 3 skipped" in local.stdout, local.stdout
     assert _pytest(tmp_path, "false").returncode == 0
 
 
 def test_tests_of_the_real_model_are_marked_slow(tmp_path) -> None:
     quick = _pytest(tmp_path, None, "-m", "not slow")
-    assert "2 skipped, 1 deselected" in quick.stdout, quick.stdout
+    assert "3 skipped, 1 deselected" in quick.stdout, quick.stdout
