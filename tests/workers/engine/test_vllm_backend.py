@@ -88,17 +88,23 @@ class FakeVllm:
 PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [1, 2, 1, 2, 9, 9], [3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 11, 7, 8]]
 
 
+def record_starts(proposer: SpecdProposer) -> list:
+    """The drafter requests the proposer starts, in order (its DraftWorker.start, still called)."""
+    started: list = []
+    original = proposer.worker.start
+
+    def recording(requests, first_tokens):
+        started.extend(requests)
+        original(requests, first_tokens)
+
+    proposer.worker.start = recording
+    return started
+
+
 def test_proposer_continues_each_request_without_rebuilding(tmp_path):
     proposer = make_proposer(tmp_path, "ngram", min_ngram=1, max_ngram=3)
     fake = FakeVllm(PROMPTS, max_new=40)
-    starts = []
-    original = proposer.worker.start
-
-    def counting_start(requests, first_tokens):
-        starts.extend(r.request_id for r in requests)
-        original(requests, first_tokens)
-
-    proposer.worker.start = counting_start
+    starts = record_starts(proposer)
     for _ in range(60):
         drafts = fake.step(proposer)
         # Each row's drafts equal what a fresh n-gram drafter proposes from the row's whole history:
@@ -312,14 +318,7 @@ def test_per_request_speculation_off_and_gamma_caps_are_honoured(tmp_path):
     proposer.link.expect(prefix_key(np.array(off)), False, 4)
     proposer.link.expect(prefix_key(np.array(capped)), True, 1)
     fake = FakeVllm([off, capped, free], max_new=40)
-    started = []
-    original = proposer.worker.start
-
-    def recording_start(requests, first_tokens):
-        started.extend(r.prompt_token_ids for r in requests)
-        original(requests, first_tokens)
-
-    proposer.worker.start = recording_start
+    started = record_starts(proposer)
     drafted = {0: 0, 1: 0, 2: 0}
     longest = {0: 0, 1: 0, 2: 0}
     for _ in range(40):
@@ -329,7 +328,7 @@ def test_per_request_speculation_off_and_gamma_caps_are_honoured(tmp_path):
     assert drafted[0] == 0, "a request with speculation off drafts nothing, on every step"
     assert 0 < longest[1] <= 1 and longest[2] > 1
     # the request with speculation off never took a drafter slot (its row was known on every step)
-    assert sorted(started) == sorted([capped, free])
+    assert sorted(r.prompt_token_ids for r in started) == sorted([capped, free])
     assert fake.histories[0][len(off):] == target_row(off, len(fake.histories[0]) - len(off))
 
 
