@@ -86,7 +86,8 @@ def gpu_shares(cfg: SpecdConfig, node_gpus: int) -> tuple[float, float]:
     different devices); with one, target and drafter share it (0.5 each; Ray then gives both actors
     the same CUDA_VISIBLE_DEVICES). A CPU worker asks for no GPU.
     """
-    on_gpu = [cfg.target.device.startswith("cuda"), cfg.drafter.device.startswith("cuda")]
+    drafter_device = cfg.drafter.device or cfg.target.device     # None: follows the target (load_config)
+    on_gpu = [cfg.target.device.startswith("cuda"), drafter_device.startswith("cuda")]
     asked = [cfg.target.num_gpus, cfg.drafter.num_gpus]
     auto = [gpu and n == 0 for gpu, n in zip(on_gpu, asked, strict=True)]
     share = 1.0 if node_gpus >= 2 or not all(on_gpu) else 0.5

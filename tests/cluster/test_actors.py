@@ -55,7 +55,9 @@ def test_gpu_workers_get_their_own_gpu_or_share_one(node_gpus, expected) -> None
 
 def test_gpu_shares_keep_configured_values_and_cpu_workers() -> None:
     cfg = config(device="cuda")
+    assert actors.gpu_shares(cfg, 1) == (0.5, 0.5)   # an unset drafter device follows the target's
     # a CPU drafter beside a GPU target: the whole GPU is the target's
+    cfg.drafter.device = "cpu"
     assert actors.gpu_shares(cfg, 1) == (1.0, 0.0)
     cfg.drafter.device = "cuda"
     cfg.drafter.num_gpus = 0.25

@@ -31,6 +31,9 @@ class DraftWorker:
         ({"redis": endpoint fields, "prefix": key prefix}; workers/drafters/redis_versions.py). The
         worker then starts from the version serving names there (version 0 is the router's first-start
         drafter), wherever it runs, and follows it; None: cfg.path, as configured."""
+        if getattr(cfg, "device", "cpu") is None:
+            # configs.load_config sets the target's device; a DrafterConfig built in code has none: cpu
+            cfg = replace(cfg, device="cpu")
         resolve_device(cfg.device)
         keep_freed_memory(getattr(cfg, "keep_freed_memory", True))
         self._versions, self._cache_dir = versions, cache_dir
