@@ -159,11 +159,6 @@ class ServingCore:
         except InvalidRequest as exc:
             raise ServingError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    async def encode(self, text: str) -> list[int]:
-        """`text` as token ids, off the event loop (front ends that count or render prompts)."""
-        b = self.ready()
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, b.codec.encode, text)
-
     async def start(self, request: serving_pb2.GenerateRequest) -> RequestStream:
         """Validate and admit one request. Refusals (bad input, a full queue, loading) raise
         ServingError here, before anything is streamed; the returned stream must be closed."""
