@@ -90,7 +90,9 @@ def _two_replicas(ray_session, target_cls, compiled: bool = False):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["remote", "compiled"])
 def test_killed_target_streams_end_unavailable_and_the_replica_comes_back(ray_session, compiled) -> None:
-    cluster, sched = _two_replicas(ray_session, fake_workers.RayFakeTarget, compiled)
+    # the slow target: ray.kill returns before the actor dies, and a fast fake could finish all
+    # 60 tokens in between (seen once in CI: replica 0's requests ended LENGTH, not UNAVAILABLE)
+    cluster, sched = _two_replicas(ray_session, fake_workers.RaySlowFakeTarget, compiled)
 
     async def main():
         await sched.start()
@@ -99,8 +101,12 @@ def test_killed_target_streams_end_unavailable_and_the_replica_comes_back(ray_se
         while sched.tokens_generated < 12:
             await asyncio.sleep(0.002)
         ray_session.kill(cluster.replicas[0].target, no_restart=False)
+        while sched.serving_replicas() == 2:         # the scheduler has seen the death
+            await asyncio.sleep(0.002)
+        # sent while replica 0 is down (its watcher asks every 2 s), before the streams end
+        meanwhile = [asyncio.create_task(sched.generate(_request(f"m{i}", i + 20, 10))) for i in range(2)]
         outs = await asyncio.gather(*running)
-        meanwhile = await asyncio.gather(*[sched.generate(_request(f"m{i}", i + 20, 10)) for i in range(2)])
+        meanwhile = await asyncio.gather(*meanwhile)
         deadline = time.monotonic() + 60
         while sched.serving_replicas() < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
@@ -116,13 +122,15 @@ def test_killed_target_streams_end_unavailable_and_the_replica_comes_back(ray_se
     assert ended
     # a plain call reports the actor died; a compiled graph's read may see it restarting instead
     assert all(f.reason == FinishReason.ERROR and f.unavailable
-               and ("died" in f.error or "restart" in f.error) for f in ended)
+               and ("died" in f.error or "restart" in f.error) for f in ended), [
+        (f.reason, f.unavailable, f.error) for f in ended]
     assert [t for t, f in outs if f.stats.replica == 1] == [
         target_only([i + 1], 60) for i, (_, f) in enumerate(outs) if f.stats.replica == 1]
     assert [f.stats.replica for _, f in meanwhile] == [1, 1]                  # out of dispatch at once
     assert [t for t, _ in meanwhile] == [target_only([i + 20], 10) for i in range(2)]
     assert [t for t, _ in back] == [target_only([i + 30], 10) for i in range(4)]
-    assert sorted(f.stats.replica for _, f in back) == [0, 0, 1, 1]            # back in dispatch
+    # back in dispatch (how many it takes depends on when replica 1 retires its finished requests)
+    assert 0 in {f.stats.replica for _, f in back}
 
 
 def test_requests_that_streamed_nothing_are_retried_on_the_other_replica(ray_session) -> None:
