@@ -237,7 +237,7 @@ def simulate_chain(model, sequences, states, gamma: int = 4, stride: int = 3) ->
 def bootstrap_hidden_drafter(cfg: Any, base_dir: Path, td: TeacherData | None = None) -> Path:
     """Second stage: the token drafter at base_dir (a BootstrapConfig's first stage), fine-tuned to read
     target hidden states on the same data; written to cfg.resolved_hidden_out_dir()."""
-    from specd.workers.engine.runner import ModelRunner
+    from specd.workers.models.runner import ModelRunner
 
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()

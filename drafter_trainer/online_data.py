@@ -82,7 +82,7 @@ def trainer_dtype(name: str, device: str, cpuinfo: str | None = None) -> torch.d
 
     The trainer's work is large matmuls (a teacher forward over whole records, a training step over
     8 of them), where bfloat16 pays on such a CPU, unlike the target's small decode steps (float32 there,
-    workers/engine/runner.py resolve_dtype)."""
+    workers/models/runner.py resolve_dtype)."""
     if name == "auto":
         if device == "cuda" or cpu_has_native_bf16(cpuinfo):
             return torch.bfloat16
@@ -102,7 +102,7 @@ class TargetTeacher:
 
     def __init__(self, target_dir: str | Path, top_k: int = 32, device: str = "cpu", max_seq_len: int = 4096,
                  chunk: int = 256, dtype: torch.dtype = torch.float32):
-        from specd.workers.engine.runner import ModelRunner
+        from specd.workers.models.runner import ModelRunner
 
         self.runner = ModelRunner(target_dir, device=device, dtype=dtype, max_slots=1,
                                   max_seq_len=max_seq_len)

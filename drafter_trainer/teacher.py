@@ -292,8 +292,8 @@ def collect_teacher_data(cfg: Any, teacher: Teacher | None = None, lap=None) -> 
     """The target's continuations of a BootstrapConfig's train and eval prompts (cached chunks reused)."""
     from transformers import AutoModelForCausalLM
 
-    from specd.workers.engine.runner import ModelRunner
     from specd.workers.models.loader import load_tokenizer
+    from specd.workers.models.runner import ModelRunner
 
     target_dir = resolve_target_dir(cfg.target_dir)
     tokenizer = load_tokenizer(target_dir)

@@ -48,6 +48,16 @@ def test_imports_point_one_way(package):
     assert not wrong, f"{package}/ may not import {RULES[package]}: {wrong}"
 
 
+@pytest.mark.parametrize("package", ["workers/core", "workers/models", "workers/drafters"])
+def test_models_and_drafters_do_not_import_the_engine(package):
+    # the engine composes models and drafters; a drafter that ran through the engine's runner was the
+    # one arrow up (issue 57), so ModelRunner lives in workers/models
+    engine = "specd.workers.engine"
+    wrong = {str(f.relative_to(REPO)): sorted(m for m in imported_modules(f) if m.startswith(engine))
+             for f in sorted((REPO / package).rglob("*.py"))}
+    assert not {f: m for f, m in wrong.items() if m}
+
+
 PACKAGES = ["workers", "cluster", "drafter_trainer", "bench", "proto", "configs"]
 
 

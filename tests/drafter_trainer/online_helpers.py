@@ -38,7 +38,7 @@ def make_tiny_drafter(target_dir: Path, out_dir: Path, hidden: bool = False, see
 
 def greedy_continuations(target_dir: Path, n: int, prompt_len: int = 6, new_tokens: int = 24, seed: int = 0):
     """[(prompt, output)] of the tiny target's greedy decoding from random prompts."""
-    from specd.workers.engine.runner import ModelRunner
+    from specd.workers.models.runner import ModelRunner
 
     runner = ModelRunner(target_dir, max_slots=1, max_seq_len=128)
     vocab = runner.vocab_size

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from specd.drafter_trainer.distill import TeacherSequence
 from specd.drafter_trainer.teacher import engine_generate_teacher, hf_generate_teacher, run_teacher_cached
-from specd.workers.engine.runner import ModelRunner
+from specd.workers.models.runner import ModelRunner
 
 PROMPTS = [[5, 9, 17, 3], [40, 2], [7, 7, 7, 7, 7, 7, 11], [100, 64, 8]]
 EOS = [1]

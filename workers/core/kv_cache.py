@@ -35,7 +35,7 @@ class KVCache:
         scratch_slot: bool = False,
     ):
         """scratch_slot: one more slot past num_slots that is never allocated: the padded rows of a
-        static-shape batch (workers/engine/static_decode.py) write there."""
+        static-shape batch (workers/models/static_decode.py) write there."""
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len

@@ -41,7 +41,6 @@ import numpy as np
 from specd.workers.core.sampling import SamplingParams as Sampling
 from specd.workers.core.stats import RequestStats
 from specd.workers.drafters.model import read_drafter_version, resolve_drafter_dir
-from specd.workers.engine.runner import resolve_dtype
 from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
 from specd.workers.engine.vllm_link import (
@@ -53,6 +52,7 @@ from specd.workers.engine.vllm_link import (
 )
 from specd.workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
 from specd.workers.models.loader import ensure_target_model
+from specd.workers.models.runner import resolve_dtype
 
 SPECULATION_MODES = ("specd", "vllm-ngram", "none")
 

@@ -12,10 +12,10 @@ from specd.configs import load_config
 from specd.workers.core.kv_cache import CacheFullError
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.draft_worker import DraftWorker
-from specd.workers.engine.runner import ModelRunner
 from specd.workers.engine.spec_engine import SpecEngine
 from specd.workers.engine.target_worker import TargetWorker
 from specd.workers.engine.types import NewRequest, SpecParams
+from specd.workers.models.runner import ModelRunner
 
 GREEDY = SamplingParams()
 

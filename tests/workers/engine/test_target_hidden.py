@@ -20,11 +20,11 @@ from specd.configs import load_config
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.drafters.model import ModelDrafter
 from specd.workers.engine.draft_worker import DraftWorker
-from specd.workers.engine.runner import ModelRunner
 from specd.workers.engine.spec_engine import SpecEngine
 from specd.workers.engine.target_worker import TargetWorker
 from specd.workers.engine.types import NewRequest, SpecParams
 from specd.workers.models.llama import FEATURE_PROJ, FEATURE_STALENESS
+from specd.workers.models.runner import ModelRunner
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]
 HIDDEN = 64  # tiny models' hidden size (conftest)

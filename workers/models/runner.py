@@ -15,8 +15,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from specd.workers.core.kv_cache import CacheFullError, KVCache
-from specd.workers.engine.static_decode import StaticDecoder
 from specd.workers.models.llama import Llama, iter_safetensors, safetensors_files
+from specd.workers.models.static_decode import StaticDecoder
 
 DECODE_MODES = ("eager", "static", "graph")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,7 +71,7 @@ class ModelRunner:
         decode: how decode forwards (extend, extend_trees; never prefill) run: "eager" (shapes as they
         come, the CPU path), "static" (bucketed static shapes over the preallocated cache, run
         eagerly: the GPU path's logic, testable anywhere) or "graph" (static, each bucket captured
-        as a CUDA graph on first use; CUDA only). See workers/engine/static_decode.py.
+        as a CUDA graph on first use; CUDA only). See workers/models/static_decode.py.
         compile: torch.compile the forward; off by default: on a CPU it compiles for minutes per graph
         and ran slower than eager with packed weights (docs/decisions/cpu-kernels.md).
         """

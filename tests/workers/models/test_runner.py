@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from specd.workers.core.kv_cache import CacheFullError
-from specd.workers.engine.runner import ModelRunner
+from specd.workers.models.runner import ModelRunner
 
 ATOL = 1e-4
 
