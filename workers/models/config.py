@@ -1,14 +1,35 @@
-"""LlamaConfig: the fields of a Hugging Face Llama config.json that the plain-torch model needs."""
+"""ModelConfig: a decoder described by a few switches, read from a Hugging Face config.json.
+
+One decoder serves the families below, as gpt-fast and vLLM describe a model by its options rather
+than a file per family. What a family's config.json asks for and the decoder cannot do is refused
+with one line naming it, never loaded as a silently different model.
+
+| family (model_type) | what differs from Llama                                   |
+|---------------------|-----------------------------------------------------------|
+| llama               | optional q/k/v/o and MLP biases; rope scaling             |
+| mistral             | sliding-window attention on every layer (when set)        |
+| qwen2               | q/k/v biases; sliding windows on the layers it names      |
+| qwen3               | RMSNorm of each head's q and k; optional attention biases |
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's family or one of its options is not one the decoder implements."""
 
 
 @dataclass
-class LlamaConfig:
+class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -20,20 +41,56 @@ class LlamaConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    model_type: str = "llama"
+    qkv_bias: bool = False       # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False         # the output projection carries one (Llama's attention_bias)
+    mlp_bias: bool = False       # gate/up/down carry one (Llama's mlp_bias)
+    qk_norm: bool = False        # RMSNorm over head_dim of each q and k head before RoPE (Qwen3)
+    sliding_window: int | None = None  # keys further back than this many positions are not attended
+    layer_types: list[str] = field(default_factory=list)  # FULL or SLIDING per layer
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type and its parameters
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_layers
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", "default")
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window is not None and self.layer_types[layer] == SLIDING
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.is_sliding(i) for i in range(self.num_layers))
 
     @classmethod
-    def from_hf(cls, hf: dict) -> LlamaConfig:
+    def from_hf(cls, hf: dict) -> ModelConfig:
         """Read a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        family = hf.get("model_type", "llama")
+        if family not in FAMILIES:
+            raise UnsupportedModelError(
+                f"model_type {family!r} is not supported by the torch backend (supported: "
+                f"{', '.join(FAMILIES)}); target.backend=vllm serves it without specd's model drafters")
+        for key, allowed in (("hidden_act", ("silu",)), ("partial_rotary_factor", (None, 1.0))):
+            if hf.get(key, allowed[0]) not in allowed:
+                raise UnsupportedModelError(f"{family}: {key}={hf[key]!r} is not supported (only {allowed})")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise NotImplementedError(f"RoPE type {rope_type!r} is not supported (only 'default')")
+        if rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"{family}: RoPE type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        rope["rope_type"] = rope_type
         num_heads = hf["num_attention_heads"]
+        num_layers = hf["num_hidden_layers"]
+        bias = bool(hf.get("attention_bias", False))
+        window, layer_types = _sliding(family, hf, num_layers)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
@@ -41,11 +98,35 @@ class LlamaConfig:
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            model_type=family,
+            qkv_bias=family == "qwen2" or bias,
+            o_bias=family in ("llama", "qwen3") and bias,
+            mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=window,
+            layer_types=layer_types,
+            rope_scaling=rope if rope_type != "default" else {},
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> LlamaConfig:
-        hf = json.loads((Path(model_dir) / "config.json").read_text())
-        if hf.get("model_type", "llama") != "llama":
-            raise ValueError(f"{model_dir}: model_type {hf.get('model_type')!r} is not llama")
-        return cls.from_hf(hf)
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        return cls.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def _sliding(family: str, hf: dict, num_layers: int) -> tuple[int | None, list[str]]:
+    """The sliding window and which layers use it, as each family's transformers class decides:
+    Mistral windows every layer when sliding_window is set; Qwen2/Qwen3 only with use_sliding_window,
+    on the layers config.json's layer_types names (or from max_window_layers on)."""
+    window = hf.get("sliding_window")
+    if family == "llama" or window is None:
+        return None, [FULL] * num_layers
+    if family == "mistral":
+        return int(window), [SLIDING] * num_layers
+    if not hf.get("use_sliding_window", False):
+        return None, [FULL] * num_layers
+    layer_types = hf.get("layer_types") or [
+        SLIDING if i >= hf.get("max_window_layers", num_layers) else FULL for i in range(num_layers)]
+    unknown = set(layer_types) - {FULL, SLIDING}
+    if unknown or len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"{family}: layer_types {sorted(unknown) or layer_types} not understood")
+    return int(window), list(layer_types)

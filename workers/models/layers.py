@@ -1,5 +1,5 @@
-"""Llama building blocks in plain torch: Linear (optionally oneDNN pre-packed), RMSNorm, RoPE,
-GQA attention over the KVCache, SwiGLU MLP.
+"""Decoder building blocks in plain torch: Linear (optionally oneDNN pre-packed), RMSNorm, RoPE,
+GQA attention over the KVCache (optionally biased, q/k-normed, sliding-window), SwiGLU MLP.
 
 Layout choices made for speed on a 2-core CPU, where one token's forward is dominated by reading
 the weights and, after that, by per-op overhead:
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.workers.core.kv_cache import KVCache
-from specd.workers.models.config import LlamaConfig
+from specd.workers.models.config import ModelConfig
 
 # oneDNN picks a blocked weight layout for this many rows; measured at least as good for 1..16 rows.
 PACK_ROWS_HINT = 16
@@ -38,18 +38,21 @@ def can_pack(device: torch.device, dtype: torch.dtype, mode: str = "onednn") -> 
 
 
 PACK_MODES = ("none", "onednn", "int8")
+# A forward's attention masks, (full layers', sliding-window layers'): [b, 1, n, L] bool or None each
+Masks = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T without bias. `weight` stays the source of truth (loading, hot swap);
+    """y = x @ weight.T (+ bias). `weight` stays the source of truth (loading, hot swap);
     `pack(mode)` adds a copy that forward then uses: "onednn" a oneDNN-blocked float copy, "int8"
     int8 rows with one float scale each (weight-only: activations stay float, as in gpt-fast's int8
     mode). int8 reads a quarter of the bytes, which is what a one-token forward waits for here; it
     changes the outputs slightly, so it is for drafters only, whose every token the target verifies."""
 
-    def __init__(self, out_features: int, in_features: int):
+    def __init__(self, out_features: int, in_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None   # ([out, in] int8, [out] scales)
 
@@ -70,10 +73,11 @@ class Linear(nn.Module):
         if self.int8 is not None:
             q, scales = self.int8
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scales)  # [rows, out]
-            return y.reshape(*x.shape[:-1], q.shape[0])
+            y = y.reshape(*x.shape[:-1], q.shape[0])
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def interleave_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -90,18 +94,28 @@ def interleave_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.view(num_heads, d, -1)[:, perm].reshape(w.shape)
 
 
-def rope_table(head_dim: int, theta: float, max_pos: int, device=None) -> torch.Tensor:
-    """[max_pos, head_dim // 2] complex64: e^{i * pos * theta^(-2j/d)}, the HF default frequencies."""
-    device = torch.device("cpu") if device is None else device
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64, device=device), inv_freq)
-    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
-
-
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """x [b, n, heads, d] in interleaved layout, rope [b, n, 1, d/2] complex -> rotated [b, n, heads, d]."""
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * rope).flatten(-2).to(x.dtype)
+
+
+def window_mask(
+    mask: torch.Tensor | None,  # [b, 1, n, L] bool, or None: every key visible
+    starts: torch.Tensor,       # [b] long: each row's first new token's cache position
+    positions: torch.Tensor,    # [b, n] long: the new tokens' RoPE positions
+    window: int,
+) -> torch.Tensor:  # [b, 1, n, L]
+    """`mask` narrowed to keys fewer than `window` positions behind each query (Mistral's and Qwen2's
+    sliding window: key at position j is seen from position i iff i - j < window). Committed keys sit at
+    their positions; a new key's position is its token's (a tree node's is start + depth, not its slot)."""
+    b, n = positions.shape
+    kv_len = mask.shape[-1] if mask is not None else int(starts.max()) + n
+    rel = torch.arange(kv_len, device=positions.device)[None, :] - starts[:, None]  # [b, L]
+    new_pos = positions.gather(1, rel.clamp(0, n - 1))                               # [b, L]
+    key_pos = torch.where(rel >= 0, new_pos, torch.arange(kv_len, device=positions.device)[None, :])
+    near = (positions[:, :, None] - key_pos[:, None, :]) < window                    # [b, n, L]
+    return near[:, None] if mask is None else mask & near[:, None]
 
 
 @dataclass
@@ -147,14 +161,14 @@ class BatchPlan:
             offset += sum(counts[i] for i in rows)
         return cls(slots, starts, runs, n, real, groups)
 
-    def split(self, rope: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def split(self, rope: torch.Tensor, masks: Masks) -> None:
         """Pack the forward's rope [b, n, 1, d/2] to the real tokens, and give each row group its rows
-        of the mask [b, 1, n, L] (the same for every layer, so done once)."""
+        of the masks [b, 1, n, L] (the same for every layer, so done once)."""
         if self.groups is None:
             return
         self.rope = self.pack(rope)[:, None]  # [T, 1, 1, d/2]
         for group in self.groups:
-            group.mask = None if mask is None else mask[group.index, :, : group.plan.n]
+            group.masks = tuple(None if m is None else m[group.index, :, : group.plan.n] for m in masks)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[b, n, ...] -> [T, ...] (the real tokens), or x itself when no row is padded."""
@@ -188,7 +202,7 @@ class RowGroup:
     tokens: list[tuple[int, int]]  # (row, j) of the group's real tokens, in packed order
     offset: int                  # where they start in the packed [T] order
     dest: torch.Tensor | None    # [T_g] where they go in the group's [g * n] grid; None: nowhere padded
-    mask: torch.Tensor | None = None   # the group's rows of the forward's mask (BatchPlan.split)
+    masks: Masks = (None, None)  # the group's rows of the forward's masks (BatchPlan.split)
 
     @classmethod
     def make(cls, rows, slots, starts, counts, offset, device) -> RowGroup:
@@ -217,18 +231,24 @@ class RowGroup:
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        hidden, head_dim = cfg.hidden_size, cfg.head_dim
+        num_heads, num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.wqkv = Linear(self.q_size + 2 * self.kv_size, hidden)  # rows: q | k | v
-        self.wo = Linear(hidden, self.q_size)
+        self.wqkv = Linear(self.q_size + 2 * self.kv_size, hidden, cfg.qkv_bias)  # rows: q | k | v
+        self.wo = Linear(hidden, self.q_size, cfg.o_bias)
+        # Qwen3: each head's q and k RMS-normed before RoPE; the weights are stored interleaved like the rows
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sliding = cfg.is_sliding(layer)   # picks the sliding-window mask of the forward's Masks
 
     def forward(
         self,
         x: torch.Tensor,  # [b, n, hidden], or [T, hidden] when plan.real packs ragged rows
         rope: torch.Tensor,  # [b, n, 1, head_dim/2] complex
-        mask: torch.Tensor | None,  # [b, 1, n, L] bool, True = attend; None = attend to all L
+        masks: Masks,  # (full, sliding) [b, 1, n, L] bool, True = attend; None = attend to all L
         cache: KVCache,
         layer: int,
         plan: BatchPlan,
@@ -237,13 +257,13 @@ class Attention(nn.Module):
         if plan.groups is None:
             q, k, v = self.rotate(fused, rope)
             cache.write_at(layer, plan.cache_index(cache), k, v)
-            return self.wo(self._attend(q, mask, cache, layer, plan))
+            return self.wo(self._attend(q, masks[self.sliding], cache, layer, plan))
         # Ragged: RoPE and the cache write once over the packed tokens (as T rows of one token), then
         # attention per row group, each reading its queries as a range of the packed ones.
         q, k, v = self.rotate(fused[:, None], plan.rope)  # q [T, heads, 1, d], k and v [T, kv, 1, d]
         cache.write_at(layer, plan.cache_index(cache), k, v)
-        outs = [group.real_of(self._attend(group.queries(q), group.mask, cache, layer, group.plan))
-                for group in plan.groups]
+        outs = [group.real_of(self._attend(group.queries(q), group.masks[self.sliding], cache, layer,
+                                           group.plan)) for group in plan.groups]
         return self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])  # [T, hidden]
 
     def _attend(self, q, mask, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
@@ -267,7 +287,11 @@ class Attention(nn.Module):
         self, qkv: torch.Tensor, rope: torch.Tensor  # qkv [b, n, q + 2 kv] (the fused projection)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> rotated q [b, heads, n, d], rotated k and v [b, kv_heads, n, d]."""
-        qk = apply_rope(qkv[..., : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim)), rope)
+        qk = qkv[..., : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim))  # [b, n, h + kv, d]
+        if self.q_norm is not None:
+            heads = self.num_heads
+            qk = torch.cat((self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])), 2)
+        qk = apply_rope(qk, rope)
         q = qk[:, :, : self.num_heads].transpose(1, 2)  # [b, heads, n, d]
         k = qk[:, :, self.num_heads :].transpose(1, 2)  # [b, kv_heads, n, d]
         v = qkv[..., self.q_size + self.kv_size :].unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
@@ -280,11 +304,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.intermediate = intermediate
-        self.w_gate_up = Linear(2 * intermediate, hidden)  # rows: gate | up
-        self.w_down = Linear(hidden, intermediate)
+        self.w_gate_up = Linear(2 * intermediate, hidden, bias)  # rows: gate | up
+        self.w_down = Linear(hidden, intermediate, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
@@ -302,13 +326,13 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, rope, mask, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x), rope, mask, cache, layer, plan)
+    def forward(self, x, rope, masks: Masks, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
+        x = x + self.attn(self.input_layernorm(x), rope, masks, cache, layer, plan)
         return x + self.mlp(self.post_attention_layernorm(x))

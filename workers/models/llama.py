@@ -1,4 +1,5 @@
-"""A plain-torch Llama that reads Hugging Face safetensors directly and runs on a KVCache.
+"""A plain-torch Llama-family decoder that reads Hugging Face safetensors directly and runs on a
+KVCache: Llama, Mistral, Qwen2 and Qwen3 checkpoints, by the switches of config.py.
 
 Serves both the target and drafters: a drafter directory is the same format with fewer layers
 and, optionally, a reduced-vocabulary head (`draft_vocab_ids` [V_sub] beside `lm_head.weight`
@@ -20,17 +21,19 @@ from safetensors import safe_open
 from torch import nn
 
 from specd.workers.core.kv_cache import KVCache
-from specd.workers.models.config import LlamaConfig
+from specd.workers.models.config import ModelConfig
 from specd.workers.models.layers import (
     PACK_MODES,
     BatchPlan,
     Block,
     Linear,
+    Masks,
     RMSNorm,
     can_pack,
     interleave_rope_rows,
-    rope_table,
+    window_mask,
 )
+from specd.workers.models.rope import rope_table
 
 DRAFT_VOCAB_IDS = "draft_vocab_ids"
 # A drafter that reads the target's hidden states (see workers/drafters/model.py) adds to each token's
@@ -43,7 +46,7 @@ FEATURE_STALENESS = "model.feature_staleness"
 class Llama(nn.Module):
     def __init__(
         self,
-        cfg: LlamaConfig,
+        cfg: ModelConfig,
         draft_vocab_size: int | None = None,
         max_seq_len: int | None = None,
         feature_staleness: int | None = None,
@@ -53,7 +56,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(draft_vocab_size or cfg.vocab_size, cfg.hidden_size)
         self.tied = draft_vocab_size is None and cfg.tie_word_embeddings
@@ -73,7 +76,8 @@ class Llama(nn.Module):
         max_pos = max_seq_len or cfg.max_position_embeddings
         # A plain attribute, not a buffer: Module.to(dtype) would cast a complex buffer to real.
         device = self.embed_tokens.device
-        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, max_pos, device)  # [max_pos, d/2] complex64
+        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, max_pos, device, cfg.rope_scaling,
+                               cfg.max_position_embeddings)  # [max_pos, d/2] complex64
         self.packed = "none"
 
     @property
@@ -141,13 +145,13 @@ class Llama(nn.Module):
         starts = cache.lengths_of(slot_list)
         cache.check_capacity(starts, n)
         plan = BatchPlan.make(slot_list, starts, n, counts, input_ids.device)
-        mask = self._attention_mask(starts, n, max(starts) + n, attn_mask, input_ids.device)
+        masks = self._masks(starts, positions, n, attn_mask, input_ids.device)
 
         rope = self.rope[positions.to(self.rope.device)].unsqueeze(2)  # [b, n, 1, d/2] complex
-        plan.split(rope, mask)
+        plan.split(rope, masks)
         x = plan.pack(self.embed(input_ids, features, staleness))  # [b, n, hidden] or [T, hidden]
         for layer, block in enumerate(self.layers):
-            x = block(x, rope, mask, cache, layer, plan)
+            x = block(x, rope, masks, cache, layer, plan)
         h = self.norm(x)  # [b, n, hidden] or [T, hidden]
         if logit_index is None:
             logits = plan.unpack(self._head(h, full_vocab))  # [b, n, vocab]: the head on real tokens only
@@ -178,6 +182,17 @@ class Llama(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
         full[..., self.draft_vocab_ids] = logits
         return full
+
+    def _masks(self, starts: list[int], positions: torch.Tensor, n: int, tree: torch.Tensor | None,
+               device) -> Masks:
+        """(full layers' mask, sliding-window layers' mask); the second is the first while every key is
+        inside the window."""
+        mask = self._attention_mask(starts, n, max(starts) + n, tree, device)
+        window = self.cfg.sliding_window
+        if not self.cfg.has_sliding_layers or max(starts) + n <= window:
+            return mask, mask
+        start = torch.tensor(starts, device=device)
+        return mask, window_mask(mask, start, positions.to(device), window)
 
     @staticmethod
     def _attention_mask(
@@ -222,17 +237,26 @@ class Llama(nn.Module):
         block = self.layers[int(parts[2])]
         attn, mlp = block.attn, block.mlp
         q, kv, inter = attn.q_size, attn.kv_size, self.cfg.intermediate_size
+        fused = {  # HF name without .weight/.bias -> (fused Linear, its rows, heads whose rows interleave)
+            "self_attn.q_proj": (attn.wqkv, slice(0, q), attn.num_heads),
+            "self_attn.k_proj": (attn.wqkv, slice(q, q + kv), attn.num_kv_heads),
+            "self_attn.v_proj": (attn.wqkv, slice(q + kv, q + 2 * kv), 0),
+            "self_attn.o_proj": (attn.wo, None, 0),
+            "mlp.gate_proj": (mlp.w_gate_up, slice(0, inter), 0),
+            "mlp.up_proj": (mlp.w_gate_up, slice(inter, 2 * inter), 0),
+            "mlp.down_proj": (mlp.w_down, None, 0),
+        }
         table = {
-            "self_attn.q_proj.weight": (attn.wqkv.weight, slice(0, q), attn.num_heads),
-            "self_attn.k_proj.weight": (attn.wqkv.weight, slice(q, q + kv), attn.num_kv_heads),
-            "self_attn.v_proj.weight": (attn.wqkv.weight, slice(q + kv, q + 2 * kv), 0),
-            "self_attn.o_proj.weight": (attn.wo.weight, None, 0),
-            "mlp.gate_proj.weight": (mlp.w_gate_up.weight, slice(0, inter), 0),
-            "mlp.up_proj.weight": (mlp.w_gate_up.weight, slice(inter, 2 * inter), 0),
-            "mlp.down_proj.weight": (mlp.w_down.weight, None, 0),
             "input_layernorm.weight": (block.input_layernorm.weight, None, 0),
             "post_attention_layernorm.weight": (block.post_attention_layernorm.weight, None, 0),
         }
+        for hf, (linear, rows, heads) in fused.items():
+            table[f"{hf}.weight"] = (linear.weight, rows, heads)
+            if linear.bias is not None:
+                table[f"{hf}.bias"] = (linear.bias, rows, heads)
+        if attn.q_norm is not None:   # one head's worth of weights, interleaved like each head's rows
+            table["self_attn.q_norm.weight"] = (attn.q_norm.weight, None, 1)
+            table["self_attn.k_norm.weight"] = (attn.k_norm.weight, None, 1)
         return table.get(".".join(parts[3:]))
 
     @torch.no_grad()
@@ -270,12 +294,21 @@ class Llama(nn.Module):
             names.add(DRAFT_VOCAB_IDS)
         if self.feature_proj is not None:
             names.update((FEATURE_PROJ, FEATURE_STALENESS))
+        cfg = self.cfg
         per_layer = [
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
             "input_layernorm.weight", "post_attention_layernorm.weight",
         ]  # fmt: skip
-        for i in range(self.cfg.num_layers):
+        if cfg.qkv_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if cfg.o_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        if cfg.mlp_bias:
+            per_layer += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
+        if cfg.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for i in range(cfg.num_layers):
             names.update(f"model.layers.{i}.{p}" for p in per_layer)
         return names
 
@@ -288,12 +321,12 @@ class Llama(nn.Module):
         max_seq_len: int | None = None,
         pack: bool | str = False,
     ) -> Llama:
-        """Build from a Hugging Face Llama directory (config.json + *.safetensors).
+        """Build from a Hugging Face directory of a supported family (config.json + *.safetensors shards).
 
         pack: pack the matmul weights: True / "onednn" or "int8" (see pack_weights).
         """
         model_dir = Path(model_dir)
-        cfg = LlamaConfig.from_dir(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
         files = safetensors_files(model_dir)
         draft_vocab_size = feature_staleness = None
         for path in files:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specd.workers.core.kv_cache import KVCache
+from specd.workers.models.layers import window_mask
 from specd.workers.models.llama import Llama
 
 MIN_KV = 128
@@ -264,6 +265,9 @@ class StaticDecoder:
         positions = (starts[:, None] + depth).clamp(max=model.rope.shape[0] - 1)
         rope = model.rope[positions].unsqueeze(2)  # [bb, nb, 1, d/2]
         mask = _attention_mask(starts, tree, kv_len)  # [bb, 1, nb, kv_len]
+        window = model.cfg.sliding_window
+        # sliding layers' mask (Mistral, Qwen2); built whenever the model has one, as shapes are fixed here
+        masks = (mask, window_mask(mask, starts, positions, window) if model.cfg.has_sliding_layers else mask)
         x = model.embed(ids, features, staleness)  # [bb, nb, hidden]
         for layer, block in enumerate(model.layers):
             attn = block.attn
@@ -273,7 +277,7 @@ class StaticDecoder:
             cache.v[layer][write_slot, :, write_pos] = v.transpose(1, 2)
             keys = cache.k[layer, :, :, :kv_len].index_select(0, slots)  # [bb, kv_heads, kv_len, d]
             values = cache.v[layer, :, :, :kv_len].index_select(0, slots)
-            out = F.scaled_dot_product_attention(q, keys, values, mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, keys, values, masks[attn.sliding], enable_gqa=True)
             x = x + attn.project(out)
             x = x + block.mlp(block.post_attention_layernorm(x))
         return model.norm(x)

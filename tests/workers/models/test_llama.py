@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specd.workers.models.llama import Llama, LlamaConfig
+from specd.workers.models.config import ModelConfig, UnsupportedModelError
+from specd.workers.models.llama import Llama
 
 ATOL = 1e-4
 
@@ -51,11 +52,11 @@ def _extend(model, cache, slot, ids: list[int]) -> torch.Tensor:
 def test_config_reads_both_rope_spellings():
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1)
     base["num_attention_heads"] = 2
-    assert LlamaConfig.from_hf({**base, "rope_theta": 5.0}).rope_theta == 5.0
-    cfg = LlamaConfig.from_hf({**base, "rope_parameters": {"rope_theta": 7.0, "rope_type": "default"}})
+    assert ModelConfig.from_hf({**base, "rope_theta": 5.0}).rope_theta == 5.0
+    cfg = ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 7.0, "rope_type": "default"}})
     assert cfg.rope_theta == 7.0 and cfg.num_kv_heads == 2 and cfg.head_dim == 4
-    with pytest.raises(NotImplementedError):
-        LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
 
 
 def test_full_forward_matches_transformers(tiny, hf_tiny):
