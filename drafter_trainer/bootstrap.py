@@ -45,6 +45,7 @@ from specd.drafter_trainer.teacher import (
     cache_root,
     collect_teacher_data,
 )
+from specd.workers.models.llama import safetensors_files
 from specd.workers.prompts import GENERAL_SOURCES, SOURCES
 
 
@@ -164,14 +165,17 @@ def init_student(target_dir: Path, num_layers: int, draft_vocab_ids: torch.Tenso
     config = make_drafter_config(target_config, num_layers, draft_vocab_ids.numel())
     keep = ("model.embed_tokens.", "model.norm.", *(f"model.layers.{i}." for i in range(num_layers)))
     state: dict[str, torch.Tensor] = {}
-    with safe_open(str(target_dir / "model.safetensors"), framework="pt") as f:
-        names = set(f.keys())
-        for name in names:
-            if name.startswith(keep):
-                state[name] = f.get_tensor(name).float()
-        # Tied embeddings (SmolLM2) store no lm_head: the head is the embedding matrix.
-        head = f.get_tensor("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight")
-    state["lm_head.weight"] = head.float()[draft_vocab_ids].clone()
+    head = None
+    for path in safetensors_files(target_dir):   # one file or a sharded checkpoint's shards
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                if name.startswith(keep):
+                    state[name] = f.get_tensor(name).float()
+                elif name == "lm_head.weight":
+                    head = f.get_tensor(name).float()
+    # Tied embeddings (SmolLM2) store no lm_head: the head is the embedding matrix.
+    head = state["model.embed_tokens.weight"] if head is None else head
+    state["lm_head.weight"] = head[draft_vocab_ids].clone()
     state["draft_vocab_ids"] = draft_vocab_ids
     model = DrafterLM.from_state_dict(config, state)
     model.freeze_embeddings()

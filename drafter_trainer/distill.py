@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import LlamaConfig, LlamaModel
+from transformers import AutoConfig, AutoModel
 
 
 @dataclass
@@ -154,8 +154,11 @@ class DrafterLM(nn.Module):
     def __init__(self, config: Mapping[str, Any], draft_vocab_ids: torch.Tensor):
         super().__init__()
         self.config = dict(config)
-        hf_config = LlamaConfig(**{k: v for k, v in self.config.items() if k != "architectures"})
-        self.model = LlamaModel(hf_config)
+        # the target's family's own body (LlamaModel, Qwen3Model, ...), as drafter_format.make_drafter_config
+        # keeps the target's model_type
+        fields = {k: v for k, v in self.config.items() if k not in ("architectures", "model_type")}
+        hf_config = AutoConfig.for_model(self.config.get("model_type", "llama"), **fields)
+        self.model = AutoModel.from_config(hf_config)
         self.lm_head = nn.Linear(hf_config.hidden_size, draft_vocab_ids.numel(), bias=False)
         self.register_buffer("draft_vocab_ids", draft_vocab_ids.clone().long())
 

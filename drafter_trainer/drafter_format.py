@@ -2,8 +2,9 @@
 
 Layout (what the plain-torch Llama loader in workers/models expects):
 
-    config.json          HF LlamaConfig: the drafter's num_hidden_layers, the TARGET's vocab_size
-    model.safetensors    HF Llama tensor names; lm_head.weight has only V_sub rows and
+    config.json          the target's HF config (its family: llama, mistral, qwen2, qwen3) with the
+                         drafter's num_hidden_layers and the TARGET's vocab_size
+    model.safetensors    HF tensor names of that family; lm_head.weight has only V_sub rows and
                          draft_vocab_ids [V_sub] int64 names the target token id of each row
     specd_drafter.json   {"version", "sha256", "parent_version", "target", "created", "train": {...}}
     tokenizer files      copied from the target, so the directory is self-contained
@@ -28,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from specd.workers.drafters.versions import META_FILE, WEIGHTS_FILE, sha256_file
+from specd.workers.models.config import FAMILIES
 
 CONFIG_FILE = "config.json"
 FORMAT_VERSION = 1
@@ -49,19 +51,20 @@ class DrafterFormatError(ValueError):
 
 
 def make_drafter_config(target_config: Mapping[str, Any], num_layers: int, head_vocab: int) -> dict[str, Any]:
-    """The drafter's LlamaConfig dict: the target's shapes with fewer layers and an untied head.
+    """The drafter's config dict: the target's family and shapes with fewer layers and an untied head.
 
-    vocab_size stays the target's full vocabulary (the embedding is the target's); the head size is
-    recorded separately because HF's LlamaConfig has no field for a reduced head.
+    A drafter cut from a Qwen3 target is a Qwen3 (its q/k norms and all), so the layers it copies mean
+    what they meant in the target. vocab_size stays the target's full vocabulary (the embedding is the
+    target's); the head size is recorded separately because no HF config has a field for a reduced head.
     """
     config = {k: v for k, v in dict(target_config).items() if k not in _DROP_CONFIG_KEYS}
-    config.update(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        num_hidden_layers=num_layers,
-        tie_word_embeddings=False,
-        specd_draft_vocab_size=head_vocab,
-    )
+    config.setdefault("model_type", "llama")
+    family = config["model_type"]
+    if family not in FAMILIES:
+        raise DrafterFormatError(f"no drafter for model_type {family!r} (supported: {FAMILIES})")
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    config.update(num_hidden_layers=num_layers, tie_word_embeddings=False, specd_draft_vocab_size=head_vocab)
     return config
 
 
@@ -74,8 +77,8 @@ def check_drafter_tensors(state_dict: Mapping[str, torch.Tensor], config: Mappin
     for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", DRAFT_VOCAB_KEY):
         if key not in state_dict:
             raise DrafterFormatError(f"missing tensor {key}")
-    if config.get("model_type") != "llama":
-        raise DrafterFormatError(f"model_type must be llama, got {config.get('model_type')!r}")
+    if config.get("model_type") not in FAMILIES:
+        raise DrafterFormatError(f"model_type must be one of {FAMILIES}, got {config.get('model_type')!r}")
     vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
     embed, head, ids = (
         state_dict["model.embed_tokens.weight"],

@@ -18,6 +18,7 @@ from specd.drafter_trainer.drafter_format import (
     save_drafter,
     verify_checksum,
 )
+from tests.families import FAMILIES, write_family
 
 HEAD_IDS = torch.tensor([0, 2, 3, 5, 8, 13, 21, 34])
 
@@ -140,3 +141,25 @@ def test_plain_torch_llama_loads_the_directory_and_agrees_with_the_trainer(tmp_p
     outside[HEAD_IDS] = False
     assert torch.isinf(full[..., outside]).all()  # q is exactly 0 outside draft_vocab_ids
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 40
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_drafter_cut_from_any_family_is_that_family_and_serves_as_it_trained(tmp_path, family):
+    """init_student (the bootstrap's and the first start's quick drafter) from a sharded target of each
+    family: the drafter keeps the family's switches, and the plain-torch loader reads what the trainer's
+    transformers body computes."""
+    from specd.drafter_trainer.bootstrap import init_student
+    from specd.workers.models.config import ModelConfig
+    from specd.workers.models.llama import Llama
+
+    target = write_family(tmp_path / "target", family, max_shard_size="60KB")
+    head_ids = torch.arange(0, 128, 2)
+    student = init_student(target, 2, head_ids)
+    out = save_drafter(tmp_path / "d", student.state_dict(), student.config, {})
+    cfg = ModelConfig.from_dir(out)
+    assert cfg.num_layers == 2 and cfg.model_type == ModelConfig.from_dir(target).model_type
+    loaded = Llama.from_pretrained(out)
+    tokens = torch.tensor([[(5 * i + 2) % 128 for i in range(20)]])   # longer than the sliding windows
+    logits = loaded(tokens, torch.arange(20)[None], [0], loaded.make_cache(1, 32), full_vocab=False)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, student.eval()(tokens), atol=2e-4, rtol=0)
