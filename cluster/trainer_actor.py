@@ -118,10 +118,11 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
     from specd.drafter_trainer.online_data import TargetTeacher, trainer_dtype
     from specd.drafter_trainer.replay_source import ReplaySource
     from specd.workers.drafters.model import resolve_drafter_dir
-    from specd.workers.models.loader import ensure_target_model
+    from specd.workers.models.loader import ensure_target_model, scoped_cache_dir
 
     torch.set_num_threads(max(1, int(cfg.trainer.num_cpus)))
     target_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
+    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, target_dir)  # as the router's
     store = versions_store(cfg, endpoint, target_dir)
     # The serving version from Redis when there is one: the drafter the router started from (version 0)
     # may sit on the router's disk only. A base drafter on this node's disk (the image's) is still what

@@ -43,7 +43,7 @@ async def bring_up_vllm(cfg, res, install_signals):
     from specd.cluster import actors
     from specd.workers.engine.vllm_engine import vllm_missing
     from specd.workers.models.chat import ChatCodec
-    from specd.workers.models.loader import ensure_target_model, load_tokenizer
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer, scoped_cache_dir
 
     missing = vllm_missing()
     if missing:
@@ -53,6 +53,7 @@ async def bring_up_vllm(cfg, res, install_signals):
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
+    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir)  # drafters per target
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
     from specd.cluster.first_start import ensure_serving_drafter, publish_first_version
 

@@ -7,6 +7,7 @@ cache; every later load (ours, transformers', vLLM's) reads that directory. No h
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -110,6 +111,22 @@ def ensure_target_model(path: str | None = None, cache_dir: str | None = None) -
         if not (model_dir / DONE_MARKER).is_file():
             raise
     return model_dir
+
+
+def scoped_cache_dir(cache_dir: str | None, model_path: str | None, model_dir: str | Path) -> str | None:
+    """Where a target's drafters live: the cache itself for the default target (as always), and
+    `<cache>/targets/<name>-<digest>` for a target.model_path, so that a drafter built or learned for one
+    target is never served for another (different vocabularies, different models). The digest covers
+    the directory's absolute path and its config.json."""
+    if model_path is None:
+        return cache_dir
+    model_dir = Path(model_dir).resolve()
+    digest = hashlib.sha256(str(model_dir).encode() + (model_dir / "config.json").read_bytes()).hexdigest()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    name = f"{model_dir.name}-{digest[:10]}"
+    if root.name == name and root.parent.name == "targets":
+        return str(root)   # scoped already (a trainer handed the router's config)
+    return str(root / "targets" / name)
 
 
 def load_tokenizer(model_dir: str | Path):

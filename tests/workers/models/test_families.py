@@ -108,3 +108,18 @@ def test_what_the_decoder_cannot_do_is_refused_by_name(config, named):
     base["num_attention_heads"] = 2
     with pytest.raises(UnsupportedModelError, match=named):
         ModelConfig.from_hf({**base, **config})
+
+
+def test_each_target_keeps_its_drafters_in_its_own_cache(tmp_path):
+    """A drafter built or learned for one target is never found when serving another: the default target
+    keeps the cache's top level, a target.model_path gets <cache>/targets/<name>-<digest>."""
+    from specd.workers.models.loader import scoped_cache_dir
+
+    qwen = write_family(tmp_path / "models" / "qwen3", "qwen3")
+    mistral = write_family(tmp_path / "models" / "mistral", "mistral")
+    cache = str(tmp_path / "cache")
+    assert scoped_cache_dir(cache, None, "/anything") == cache
+    scoped = {scoped_cache_dir(cache, str(d), d) for d in (qwen, mistral)}
+    assert len(scoped) == 2 and all(s.startswith(f"{cache}/targets/") for s in scoped)
+    once = scoped_cache_dir(cache, str(qwen), qwen)
+    assert scoped_cache_dir(once, str(qwen), qwen) == once       # a trainer given the router's config
