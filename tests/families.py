@@ -44,13 +44,15 @@ FAMILIES = {
 
 
 def write_family(path: Path, family: str, num_layers: int = 3, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, max_shard_size: str | None = None) -> Path:
-    """A random checkpoint of `family` saved as transformers saves it (config.json + safetensors)."""
+                 dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides) -> Path:
+    """A random checkpoint of `family` saved as transformers saves it (config.json + safetensors);
+    `overrides` replace config fields (vocab_size, ...)."""
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, config_cls)(**{**COMMON, **extra, "num_hidden_layers": num_layers})
+    fields = {**COMMON, **extra, "num_hidden_layers": num_layers, **overrides}
+    cfg = getattr(transformers, config_cls)(**fields)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
