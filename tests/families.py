@@ -40,6 +40,15 @@ FAMILIES = {
         use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     # Qwen3: q/k RMSNorm per head, head_dim 32 with 4 heads on hidden 64, rope theta 1e6
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, rope_theta=1_000_000.0)),
+    # Gemma 3 (text): layers 0-1 sliding with the local RoPE base, layer 2 global with linear scaling;
+    # 1 + weight norms around attention and MLP, sqrt(hidden)-scaled embeddings, GELU-tanh, q/k norms
+    # (transformers' own init range: with 0.3 its sqrt(hidden)-scaled embeddings repeat one token)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        initializer_range=0.02, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}})),
 }
 
 
@@ -52,6 +61,8 @@ def write_family(path: Path, family: str, num_layers: int = 3, seed: int = 0,
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     fields = {**COMMON, **extra, "num_hidden_layers": num_layers, **overrides}
+    if "layer_types" in fields:   # a shallower drafter keeps the first layers' kinds
+        fields["layer_types"] = fields["layer_types"][:num_layers]
     cfg = getattr(transformers, config_cls)(**fields)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():

@@ -21,7 +21,7 @@ from tests.families import reference, write_family
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-SERVED = ["llama3", "mistral", "qwen2", "qwen3"]
+SERVED = ["llama3", "mistral", "qwen2", "qwen3", "gemma3"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 PROMPTS = [list(range(200, 230)), [1000 + 7 * i for i in range(12)]]   # longer than the 8-token windows

@@ -10,6 +10,9 @@ with one line naming it, never loaded as a silently different model.
 | mistral             | sliding-window attention on every layer (when set)        |
 | qwen2               | q/k/v biases; sliding windows on the layers it names      |
 | qwen3               | RMSNorm of each head's q and k; optional attention biases |
+| gemma3_text         | Gemma 3 (text): norms as 1 + weight, around attention and |
+|                     | MLP both; scaled embeddings; GELU-tanh; q/k norms; sliding |
+|                     | layers with their own RoPE base; query_pre_attn_scalar     |
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}   # config.json's name -> the MLP's
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -49,6 +53,14 @@ class ModelConfig:
     sliding_window: int | None = None  # keys further back than this many positions are not attended
     layer_types: list[str] = field(default_factory=list)  # FULL or SLIDING per layer
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # rope_type and its parameters
+    # sliding layers' own RoPE (Gemma 3: base 10k locally, 1M globally); None: the one above for all
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] = field(default_factory=dict)
+    activation: str = "silu"     # the MLP's gate activation: silu, or gelu_tanh (Gemma)
+    norm_offset: bool = False    # RMSNorm scales by 1 + weight (Gemma); stored as such when loaded
+    sandwich_norms: bool = False  # attention and MLP outputs normed before their residual add (Gemma)
+    embed_scale: float = 1.0     # token embeddings multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -60,6 +72,10 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window is not None and self.layer_types[layer] == SLIDING
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether the layer rotates by the sliding layers' own RoPE (Gemma 3's local base)."""
+        return self.local_rope_theta is not None and self.layer_types[layer] == SLIDING
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -73,15 +89,14 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"model_type {family!r} is not supported by the torch backend (supported: "
                 f"{', '.join(FAMILIES)}); target.backend=vllm serves it without specd's model drafters")
-        for key, allowed in (("hidden_act", ("silu",)), ("partial_rotary_factor", (None, 1.0))):
+        gemma = family == "gemma3_text"
+        act_key = "hidden_activation" if gemma else "hidden_act"
+        for key, allowed in ((act_key, tuple(ACTIVATIONS)), ("partial_rotary_factor", (None, 1.0)),
+                             ("attn_logit_softcapping", (None,)), ("final_logit_softcapping", (None,)),
+                             ("use_bidirectional_attention", (False, None))):
             if hf.get(key, allowed[0]) not in allowed:
                 raise UnsupportedModelError(f"{family}: {key}={hf[key]!r} is not supported (only {allowed})")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"{family}: RoPE type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-        rope["rope_type"] = rope_type
+        rope, local = _rope(family, hf)
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         bias = bool(hf.get("attention_bias", False))
@@ -93,19 +108,26 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            head_dim=(head_dim := hf.get("head_dim") or hf["hidden_size"] // num_heads),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", True),
             model_type=family,
             qkv_bias=family == "qwen2" or bias,
-            o_bias=family in ("llama", "qwen3") and bias,
+            o_bias=family in ("llama", "qwen3", "gemma3_text") and bias,
             mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3_text"),
             sliding_window=window,
             layer_types=layer_types,
-            rope_scaling=rope if rope_type != "default" else {},
+            rope_scaling=_scaling(rope),
+            local_rope_theta=None if local is None else local.get("rope_theta", 10000.0),
+            local_rope_scaling=_scaling(local or {}),
+            activation=ACTIVATIONS[hf.get(act_key, "silu")],
+            norm_offset=gemma,
+            sandwich_norms=gemma,
+            embed_scale=float(hf["hidden_size"]) ** 0.5 if gemma else 1.0,
+            attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
         )
 
     @classmethod
@@ -113,20 +135,53 @@ class ModelConfig:
         return cls.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
+def _rope(family: str, hf: dict) -> tuple[dict, dict | None]:
+    """(full layers' RoPE, sliding layers' own or None), each {rope_type, rope_theta?, scaling fields}.
+    transformers 5 writes Gemma 3's as rope_parameters keyed by layer type; 4.x wrote rope_theta,
+    rope_scaling and rope_local_base_freq."""
+    params = hf.get("rope_parameters")
+    local = None
+    if isinstance(params, dict) and FULL in params:
+        full, local = dict(params[FULL] or {}), params.get(SLIDING)
+        local = None if local is None else dict(local)
+    else:
+        full = dict(params or hf.get("rope_scaling") or {})
+        if family == "gemma3_text":
+            local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    for rope in (full, local or {}):
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise UnsupportedModelError(f"{family}: RoPE type {rope['rope_type']!r} is not supported "
+                                        f"(supported: {', '.join(ROPE_TYPES)})")
+    return full, local
+
+
+def _scaling(rope: dict) -> dict:
+    """A rope dict's scaling part; empty for the default frequencies."""
+    return {} if rope.get("rope_type", "default") == "default" else rope
+
+
 def _sliding(family: str, hf: dict, num_layers: int) -> tuple[int | None, list[str]]:
     """The sliding window and which layers use it, as each family's transformers class decides:
     Mistral windows every layer when sliding_window is set; Qwen2/Qwen3 only with use_sliding_window,
     on the layers config.json's layer_types names (or from max_window_layers on)."""
     window = hf.get("sliding_window")
-    if family == "llama" or window is None:
+    if family == "gemma3_text":   # every sliding_window_pattern-th layer global, unless layer_types says
+        # (the layer types also pick each layer's RoPE, so they are kept even without a window)
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        layer_types = hf.get("layer_types") or [
+            FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    elif family == "llama" or window is None:
         return None, [FULL] * num_layers
-    if family == "mistral":
+    elif family == "mistral":
         return int(window), [SLIDING] * num_layers
-    if not hf.get("use_sliding_window", False):
+    elif not hf.get("use_sliding_window", False):
         return None, [FULL] * num_layers
-    layer_types = hf.get("layer_types") or [
-        SLIDING if i >= hf.get("max_window_layers", num_layers) else FULL for i in range(num_layers)]
+    else:
+        layer_types = hf.get("layer_types") or [
+            SLIDING if i >= hf.get("max_window_layers", num_layers) else FULL for i in range(num_layers)]
     unknown = set(layer_types) - {FULL, SLIDING}
     if unknown or len(layer_types) != num_layers:
         raise UnsupportedModelError(f"{family}: layer_types {sorted(unknown) or layer_types} not understood")
-    return int(window), list(layer_types)
+    return (None if window is None else int(window)), list(layer_types)

@@ -40,6 +40,9 @@ def can_pack(device: torch.device, dtype: torch.dtype, mode: str = "onednn") -> 
 PACK_MODES = ("none", "onednn", "int8")
 # A forward's attention masks, (full layers', sliding-window layers'): [b, 1, n, L] bool or None each
 Masks = tuple[torch.Tensor | None, torch.Tensor | None]
+# A forward's RoPE, (the model's, the sliding layers' own): [b, n, 1, d/2] complex each, the same tensor
+# twice unless the model has a local RoPE base (Gemma 3)
+Ropes = tuple[torch.Tensor, torch.Tensor]
 
 
 class Linear(nn.Module):
@@ -138,7 +141,7 @@ class BatchPlan:
     real: torch.Tensor | None = None
     groups: list[RowGroup] | None = None
     write_index: torch.Tensor | None = None   # KVCache.run_index / token_index of the new tokens
-    rope: torch.Tensor | None = None          # [T, 1, 1, d/2] the real tokens' RoPE (ragged plans)
+    rope: Ropes | None = None                 # [T, 1, 1, d/2] each: the real tokens' RoPE (ragged plans)
 
     @classmethod
     def make(cls, slots: list[int], starts: list[int], n: int, counts: list[int] | None = None,
@@ -161,12 +164,13 @@ class BatchPlan:
             offset += sum(counts[i] for i in rows)
         return cls(slots, starts, runs, n, real, groups)
 
-    def split(self, rope: torch.Tensor, masks: Masks) -> None:
-        """Pack the forward's rope [b, n, 1, d/2] to the real tokens, and give each row group its rows
+    def split(self, ropes: Ropes, masks: Masks) -> None:
+        """Pack the forward's ropes [b, n, 1, d/2] to the real tokens, and give each row group its rows
         of the masks [b, 1, n, L] (the same for every layer, so done once)."""
         if self.groups is None:
             return
-        self.rope = self.pack(rope)[:, None]  # [T, 1, 1, d/2]
+        full = self.pack(ropes[0])[:, None]  # [T, 1, 1, d/2]
+        self.rope = (full, full if ropes[1] is ropes[0] else self.pack(ropes[1])[:, None])
         for group in self.groups:
             group.masks = tuple(None if m is None else m[group.index, :, : group.plan.n] for m in masks)
 
@@ -243,11 +247,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sliding = cfg.is_sliding(layer)   # picks the sliding-window mask of the forward's Masks
+        self.local = cfg.local_rope(layer)     # picks the local RoPE of the forward's Ropes
+        self.scale = cfg.attn_scale            # None: SDPA's head_dim ** -0.5
 
     def forward(
         self,
         x: torch.Tensor,  # [b, n, hidden], or [T, hidden] when plan.real packs ragged rows
-        rope: torch.Tensor,  # [b, n, 1, head_dim/2] complex
+        ropes: Ropes,  # [b, n, 1, head_dim/2] complex each
         masks: Masks,  # (full, sliding) [b, 1, n, L] bool, True = attend; None = attend to all L
         cache: KVCache,
         layer: int,
@@ -255,12 +261,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # like x
         fused = self.wqkv(x)  # [b, n, q + 2 kv] or [T, q + 2 kv]
         if plan.groups is None:
-            q, k, v = self.rotate(fused, rope)
+            q, k, v = self.rotate(fused, ropes[self.local])
             cache.write_at(layer, plan.cache_index(cache), k, v)
             return self.wo(self._attend(q, masks[self.sliding], cache, layer, plan))
         # Ragged: RoPE and the cache write once over the packed tokens (as T rows of one token), then
         # attention per row group, each reading its queries as a range of the packed ones.
-        q, k, v = self.rotate(fused[:, None], plan.rope)  # q [T, heads, 1, d], k and v [T, kv, 1, d]
+        q, k, v = self.rotate(fused[:, None], plan.rope[self.local])  # q [T, heads, 1, d], k, v [T, kv, 1, d]
         cache.write_at(layer, plan.cache_index(cache), k, v)
         outs = [group.real_of(self._attend(group.queries(q), group.masks[self.sliding], cache, layer,
                                            group.plan)) for group in plan.groups]
@@ -274,7 +280,8 @@ class Attention(nn.Module):
             keys, values = cache.read(layer, plan.slots[first:end], kv_len)  # [rows, kv_heads, L, d]
             run_mask = None if mask is None else mask[first:end, :, :, :kv_len]
             run_q = q[first:end]  # [rows, heads, n, d]
-            outs.append(F.scaled_dot_product_attention(run_q, keys, values, run_mask, enable_gqa=True))
+            outs.append(F.scaled_dot_product_attention(run_q, keys, values, run_mask, enable_gqa=True,
+                                                       scale=self.scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [b, heads, n, d]
         b, _, n, _ = out.shape
         return out.transpose(1, 2).reshape(b, n, self.q_size)
@@ -304,15 +311,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.intermediate = intermediate
         self.w_gate_up = Linear(2 * intermediate, hidden, bias)  # rows: gate | up
         self.w_down = Linear(hidden, intermediate, bias)
+        self.tanh_gelu = activation == "gelu_tanh"   # Gemma's gelu_pytorch_tanh; else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.intermediate, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.w_down(gate * up)
 
 
 class RMSNorm(nn.Module):
@@ -326,13 +335,27 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)); Gemma also norms each output before adding it
+    (sandwich norms). `post_attention_layernorm` is the MLP's input norm, as Llama names it."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
         self.attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = MLP(hidden, cfg.intermediate_size, cfg.mlp_bias, cfg.activation)
+        self.attn_out_norm = RMSNorm(hidden, eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(hidden, eps) if cfg.sandwich_norms else None
 
-    def forward(self, x, rope, masks: Masks, cache: KVCache, layer: int, plan: BatchPlan) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x), rope, masks, cache, layer, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ropes: Ropes, masks: Masks, cache: KVCache, layer: int, plan: BatchPlan):
+        out = self.attn(self.input_layernorm(x), ropes, masks, cache, layer, plan)
+        return self.add_mlp(self.add_attention(x, out))
+
+    def add_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The residual after attention, whose projected output is `out` (like x)."""
+        return x + (out if self.attn_out_norm is None else self.attn_out_norm(out))
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(self.post_attention_layernorm(x))
+        return x + (out if self.mlp_out_norm is None else self.mlp_out_norm(out))

@@ -1,5 +1,5 @@
 """A plain-torch Llama-family decoder that reads Hugging Face safetensors directly and runs on a
-KVCache: Llama, Mistral, Qwen2 and Qwen3 checkpoints, by the switches of config.py.
+KVCache: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 checkpoints, by the switches of config.py.
 
 Serves both the target and drafters: a drafter directory is the same format with fewer layers
 and, optionally, a reduced-vocabulary head (`draft_vocab_ids` [V_sub] beside `lm_head.weight`
@@ -29,6 +29,7 @@ from specd.workers.models.layers import (
     Linear,
     Masks,
     RMSNorm,
+    Ropes,
     can_pack,
     interleave_rope_rows,
     window_mask,
@@ -78,6 +79,9 @@ class Llama(nn.Module):
         device = self.embed_tokens.device
         self.rope = rope_table(cfg.head_dim, cfg.rope_theta, max_pos, device, cfg.rope_scaling,
                                cfg.max_position_embeddings)  # [max_pos, d/2] complex64
+        self.rope_local = None if cfg.local_rope_theta is None else rope_table(
+            cfg.head_dim, cfg.local_rope_theta, max_pos, device, cfg.local_rope_scaling,
+            cfg.max_position_embeddings)  # sliding layers' own (Gemma 3)
         self.packed = "none"
 
     @property
@@ -147,11 +151,11 @@ class Llama(nn.Module):
         plan = BatchPlan.make(slot_list, starts, n, counts, input_ids.device)
         masks = self._masks(starts, positions, n, attn_mask, input_ids.device)
 
-        rope = self.rope[positions.to(self.rope.device)].unsqueeze(2)  # [b, n, 1, d/2] complex
-        plan.split(rope, masks)
+        ropes = self.ropes(positions)
+        plan.split(ropes, masks)
         x = plan.pack(self.embed(input_ids, features, staleness))  # [b, n, hidden] or [T, hidden]
         for layer, block in enumerate(self.layers):
-            x = block(x, rope, masks, cache, layer, plan)
+            x = block(x, ropes, masks, cache, layer, plan)
         h = self.norm(x)  # [b, n, hidden] or [T, hidden]
         if logit_index is None:
             logits = plan.unpack(self._head(h, full_vocab))  # [b, n, vocab]: the head on real tokens only
@@ -159,6 +163,12 @@ class Llama(nn.Module):
             picked = plan.unpack(h).gather(1, logit_index[:, :, None].expand(-1, -1, h.shape[-1]))
             logits = self._head(picked, full_vocab)  # [b, m, vocab]
         return (logits, plan.unpack(h)) if return_hidden else logits
+
+    def ropes(self, positions: torch.Tensor) -> Ropes:  # positions [b, n] -> [b, n, 1, d/2] complex each
+        """The RoPE of every layer kind at these positions (one tensor twice without a local base)."""
+        positions = positions.to(self.rope.device)
+        rope = self.rope[positions].unsqueeze(2)
+        return rope, rope if self.rope_local is None else self.rope_local[positions].unsqueeze(2)
 
     def embed(
         self,
@@ -168,6 +178,8 @@ class Llama(nn.Module):
     ) -> torch.Tensor:  # [b, n, hidden]
         """Token embeddings, plus the target-state terms of a hidden-state drafter."""
         x = F.embedding(input_ids, self.embed_tokens)
+        if self.cfg.embed_scale != 1.0:   # Gemma: sqrt(hidden), in the weights' dtype as transformers does
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         if self.feature_proj is not None:
             if features is None or staleness is None:
                 raise ValueError("this drafter reads target hidden states: pass features and staleness")
@@ -250,6 +262,12 @@ class Llama(nn.Module):
             "input_layernorm.weight": (block.input_layernorm.weight, None, 0),
             "post_attention_layernorm.weight": (block.post_attention_layernorm.weight, None, 0),
         }
+        if block.attn_out_norm is not None:   # Gemma: post_attention_layernorm norms attention's output
+            table.update({
+                "post_attention_layernorm.weight": (block.attn_out_norm.weight, None, 0),
+                "pre_feedforward_layernorm.weight": (block.post_attention_layernorm.weight, None, 0),
+                "post_feedforward_layernorm.weight": (block.mlp_out_norm.weight, None, 0),
+            })
         for hf, (linear, rows, heads) in fused.items():
             table[f"{hf}.weight"] = (linear.weight, rows, heads)
             if linear.bias is not None:
@@ -274,6 +292,8 @@ class Llama(nn.Module):
                     raise KeyError(f"unexpected tensor {name!r}")
                 continue
             param, rows, rope_heads = target
+            if self.cfg.norm_offset and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0   # Gemma's norms scale by 1 + weight: stored as such
             dest = param if rows is None else param[rows]
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
@@ -308,6 +328,8 @@ class Llama(nn.Module):
             per_layer += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
         if cfg.qk_norm:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        if cfg.sandwich_norms:
+            per_layer += ["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
         for i in range(cfg.num_layers):
             names.update(f"model.layers.{i}.{p}" for p in per_layer)
         return names

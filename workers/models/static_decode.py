@@ -263,7 +263,7 @@ class StaticDecoder:
         model, cache = self.model, self.cache
         # Padded tokens may run past the table; their outputs are never read.
         positions = (starts[:, None] + depth).clamp(max=model.rope.shape[0] - 1)
-        rope = model.rope[positions].unsqueeze(2)  # [bb, nb, 1, d/2]
+        ropes = model.ropes(positions)  # [bb, nb, 1, d/2] each
         mask = _attention_mask(starts, tree, kv_len)  # [bb, 1, nb, kv_len]
         window = model.cfg.sliding_window
         # sliding layers' mask (Mistral, Qwen2); built whenever the model has one, as shapes are fixed here
@@ -271,15 +271,15 @@ class StaticDecoder:
         x = model.embed(ids, features, staleness)  # [bb, nb, hidden]
         for layer, block in enumerate(model.layers):
             attn = block.attn
-            q, k, v = attn.qkv(block.input_layernorm(x), rope)
+            q, k, v = attn.qkv(block.input_layernorm(x), ropes[attn.local])
             # Advanced indices around a slice put the indexed dims first: [bb, nb, kv_heads, d].
             cache.k[layer][write_slot, :, write_pos] = k.transpose(1, 2)
             cache.v[layer][write_slot, :, write_pos] = v.transpose(1, 2)
             keys = cache.k[layer, :, :, :kv_len].index_select(0, slots)  # [bb, kv_heads, kv_len, d]
             values = cache.v[layer, :, :, :kv_len].index_select(0, slots)
-            out = F.scaled_dot_product_attention(q, keys, values, masks[attn.sliding], enable_gqa=True)
-            x = x + attn.project(out)
-            x = x + block.mlp(block.post_attention_layernorm(x))
+            out = F.scaled_dot_product_attention(q, keys, values, masks[attn.sliding], enable_gqa=True,
+                                                 scale=attn.scale)
+            x = block.add_mlp(block.add_attention(x, attn.project(out)))
         return model.norm(x)
 
     def _run_chain(self, bufs, kv_len: int, steps: int) -> tuple[torch.Tensor]:

@@ -40,13 +40,17 @@ def _greedy_continuation(hf, prompt: list[int], steps: int) -> list[int]:
 def test_the_config_reads_each_familys_switches(family):
     name, path, _ = family
     cfg = ModelConfig.from_dir(path)
-    assert cfg.model_type == name.split("-")[0].replace("llama3", "llama")
+    families = {"llama3": "llama", "llama-yarn": "llama", "gemma3": "gemma3_text"}
+    assert cfg.model_type == families.get(name, name)
     expected = {
         "llama3": dict(rope_type="llama3"),
         "llama-yarn": dict(rope_type="yarn", qkv_bias=True, o_bias=True, mlp_bias=True),
         "mistral": dict(sliding_window=WINDOW, has_sliding_layers=True),
         "qwen2": dict(qkv_bias=True, o_bias=False, sliding_window=WINDOW),
         "qwen3": dict(qk_norm=True, head_dim=32),
+        "gemma3": dict(norm_offset=True, sandwich_norms=True, activation="gelu_tanh", qk_norm=True,
+                       local_rope_theta=10000.0, embed_scale=8.0, attn_scale=24 ** -0.5,
+                       sliding_window=WINDOW),
     }[name]
     assert {k: getattr(cfg, k) for k in expected} == expected
     if name == "qwen2":
@@ -100,6 +104,7 @@ def test_a_sharded_bfloat16_checkpoint_loads_as_transformers_reads_it(tmp_path):
 
 @pytest.mark.parametrize("config,named", [
     ({"model_type": "gemma2"}, "'gemma2'"),
+    ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "'longrope'"),
 ])
