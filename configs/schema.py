@@ -84,7 +84,7 @@ class TargetConfig:
     # backend=vllm with speculation on: "specd" (specd's drafter as vLLM's proposer) or "vllm-ngram"
     # (vLLM's own n-gram proposer, drafter.min_ngram..max_ngram: the baseline of `specd bench serve --vllm`)
     vllm_speculation: str = "specd"
-    model_path: str | None = None       # local HF dir (docs/your-model.md: the families); None = SmolLM2
+    model_path: str | None = None       # local HF dir: Llama, Mistral, Qwen2/3, Gemma 3 text; None = SmolLM2
     device: Device = Device.cpu         # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
     # weights and activations of the target: auto = bfloat16 on cuda, float32 on cpu; or float32,
     # bfloat16, float16
