@@ -17,6 +17,7 @@ BENCHMARKS = {
     "engine": ("specd.bench.engine", "engine benchmark (no server): specd vs target-only, HF, vLLM"),
     "serve": ("specd.bench.serve", "load over gRPC: specd vs target-only, pipeline overlap, Ray overhead"),
     "osd": ("specd.bench.osd", "online distillation: acceptance over a shifting stream"),
+    "chat": ("specd.bench.chat_heldout", "held-out chat through the server: fresh and after a stream"),
     "overhead": ("specd.bench.overhead", "host time of a step, free forwards: planning, bookkeeping, verify"),
     "frontends": ("specd.bench.frontends", "a streamed token's latency: OpenAI-compatible HTTP vs gRPC"),
     "soak": ("specd.bench.soak", "long run: N streaming clients for D minutes, errors, RSS, TPOT"),
