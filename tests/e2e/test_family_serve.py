@@ -56,7 +56,9 @@ def test_a_family_target_serves_greedy_exact_with_its_own_quick_drafter(ray_for_
     from specd.configs import load_config
 
     model_dir = _checkpoint(tmp_path, family, target_model_dir)
-    cfg = load_config([f"target.model_path={model_dir}", "server.port=0", "server.http_port=0",
+    # its own cache: the quick drafter a first start builds for this target lands in tmp_path, not ~/.cache
+    cfg = load_config([f"target.model_path={model_dir}", f"cache_dir={tmp_path / 'cache'}",
+                       "server.port=0", "server.http_port=0",
                        f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
                        "target.max_seq_len=256"])
     ready, handles, errors = threading.Event(), [], []
@@ -93,5 +95,6 @@ def test_a_family_target_serves_greedy_exact_with_its_own_quick_drafter(ray_for_
         thread.join(120)
     assert not thread.is_alive(), "server did not shut down"
     # the quick drafter was built for this target, in its own cache, and drafted
-    assert "/targets/" in str(cfg.drafter.path) and model_dir.name in str(cfg.drafter.path), cfg.drafter.path
+    own = f"{tmp_path / 'cache'}/targets/{model_dir.name}-"
+    assert str(cfg.drafter.path).startswith(own), cfg.drafter.path
     assert drafted > 0, info
