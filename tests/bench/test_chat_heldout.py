@@ -1,0 +1,58 @@
+"""`specd bench chat` pieces that need no server: the prompt sets it draws, a phase's ratios from
+hand-set times (a stand-in client), and the plot."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from specd.bench import chat_heldout
+
+
+def test_the_held_out_halves_and_the_stream_never_share_a_prompt() -> None:
+    fresh, after = chat_heldout.heldout_halves(16)
+    stream = chat_heldout.stream_prompts(40)
+    key = json.dumps
+    assert len(fresh) == len(after) == 16 and len(stream) == 40
+    assert not {key(m) for m in fresh} & {key(m) for m in after}
+    assert not {key(m) for m in fresh + after} & {key(m) for m in stream}
+    with pytest.raises(ValueError, match="two halves"):
+        chat_heldout.heldout_halves(17)
+
+
+class _Client:
+    """Answers every prompt in 1 s with speculation on and 1.5 s or 2 s off, as a server would report."""
+
+    def __init__(self, _address, timeout):
+        self.calls = 0
+
+    def generate(self, messages, max_new_tokens, ignore_eos, temperature, speculation):
+        self.calls += 1
+        self.clock.now += 1.0 if speculation else (1.5 if self.calls < 3 else 2.0)
+        tokens = [1] * max_new_tokens if speculation or self.calls != 4 else [2] * max_new_tokens
+        usage = {"drafted": 30, "accepted": 15, "steps": 10, "drafter_versions": ["v1"]}
+        usage = usage if speculation else {}
+        return SimpleNamespace(token_ids=tokens, usage=usage)
+
+    def close(self):
+        pass
+
+
+def test_a_phase_is_target_only_time_over_speculative_time(monkeypatch) -> None:
+    clock = SimpleNamespace(now=0.0)
+    _Client.clock = clock
+    monkeypatch.setattr("specd.cluster.client.SpecdClient", _Client)
+    monkeypatch.setattr(chat_heldout.time, "perf_counter", lambda: clock.now)
+    phase = chat_heldout.on_then_off("addr", [[{"role": "user", "content": "a"}]] * 2, 8, "test")
+    assert phase["speedup"] == pytest.approx(3.5 / 2) and phase["speedup_median"] == pytest.approx(1.75)
+    assert phase["drafted_per_step"] == 3.0 and phase["acceptance_rate"] == 0.5
+    assert phase["greedy_mismatches"] == 1 and phase["drafter_versions"] == ["v1"]
+
+
+def test_the_plot(tmp_path) -> None:
+    per_prompt = [{"on_s": 1.0, "off_s": 1.2, "tokens": 96}] * 3
+    result = {name: {"per_prompt": per_prompt, "speedup": 1.2} for name in ("fresh", "after")}
+    chat_heldout.plot(result, tmp_path / "chat.png")
+    assert (tmp_path / "chat.png").stat().st_size > 1000
