@@ -10,13 +10,12 @@ must equal transformers' greedy decoding of the same checkpoint.
 from __future__ import annotations
 
 import shutil
-import threading
 
 import pytest
 import torch
 
 from specd.cluster.client import SpecdClient
-from tests.e2e.test_serve import free_port
+from tests.e2e.in_process import serving
 from tests.families import reference, write_family
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -52,48 +51,32 @@ def ray_for_serving():
 @pytest.mark.parametrize("family", SERVED)
 def test_a_family_target_serves_greedy_exact_with_its_own_quick_drafter(ray_for_serving, family,
                                                                         target_model_dir, tmp_path):
-    from specd.cluster.serve import serve
     from specd.configs import load_config
 
     model_dir = _checkpoint(tmp_path, family, target_model_dir)
     # its own cache: the quick drafter a first start builds for this target lands in tmp_path, not ~/.cache
     cfg = load_config([f"target.model_path={model_dir}", f"cache_dir={tmp_path / 'cache'}",
-                       "server.port=0", "server.http_port=0",
-                       f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
+                       "server.port=0", "server.http_port=0", "server.metrics_port=0",
+                       "target.max_slots=4", "drafter.max_slots=4",
                        "target.max_seq_len=256"])
-    ready, handles, errors = threading.Event(), [], []
-
-    def run():
+    with serving(cfg) as handle:
+        client = SpecdClient(handle.address, timeout=300)
         try:
-            serve(cfg, lambda h: (handles.append(h), ready.set()))
-        except BaseException as exc:  # surface bring-up failures in the test, not a silent hang
-            errors.append(exc)
-            ready.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(900), "server did not come up"
-    assert not errors, errors
-    client = SpecdClient(handles[0].address, timeout=300)
-    try:
-        info = client.server_info()
-        hf = reference(model_dir)
-        drafted = 0
-        for ids in PROMPTS:
-            expected = _greedy(hf, ids, 24)
-            # the default planner may judge drafting for a random target not worth it; a fixed γ drafts
-            for policy in ("", "fixed"):
-                out = client.generate(token_ids=ids, max_new_tokens=24, ignore_eos=True, gamma=4,
-                                      gamma_policy=policy)
-                assert out.token_ids == expected, f"{family}, {policy or 'default'} policy: tokens differ"
-                drafted += int(out.usage.get("drafted", 0))
-        chat = client.generate(messages=[{"role": "user", "content": "Hello there"}], max_new_tokens=8)
-        assert chat.finish_reason in ("length", "eos")
-    finally:
-        client.close()
-        handles[0].stop()
-        thread.join(120)
-    assert not thread.is_alive(), "server did not shut down"
+            info = client.server_info()
+            hf = reference(model_dir)
+            drafted = 0
+            for ids in PROMPTS:
+                expected = _greedy(hf, ids, 24)
+                # the default planner may judge drafting for a random target not worth it; a fixed γ drafts
+                for policy in ("", "fixed"):
+                    out = client.generate(token_ids=ids, max_new_tokens=24, ignore_eos=True, gamma=4,
+                                          gamma_policy=policy)
+                    assert out.token_ids == expected, f"{family}, {policy or 'default'} policy: tokens differ"
+                    drafted += int(out.usage.get("drafted", 0))
+            chat = client.generate(messages=[{"role": "user", "content": "Hello there"}], max_new_tokens=8)
+            assert chat.finish_reason in ("length", "eos")
+        finally:
+            client.close()
     # the quick drafter was built for this target, in its own cache, and drafted
     own = f"{tmp_path / 'cache'}/targets/{model_dir.name}-"
     assert str(cfg.drafter.path).startswith(own), cfg.drafter.path

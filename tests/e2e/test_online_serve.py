@@ -7,7 +7,6 @@ must show records written, trainer updates and swaps."""
 from __future__ import annotations
 
 import re
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ import pytest
 
 from specd.cluster.client import SpecdClient
 from specd.cluster.redis_server import free_port
+from tests.e2e.in_process import serving
 
 # README's reliability table says these run in CI: with CI set, a skip here fails the suite
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.ci_required]
@@ -48,7 +48,6 @@ def server(tmp_path_factory, boot_hidden_drafter_dir):
     has none, so this runs on a fresh machine too."""
     import ray
 
-    from specd.cluster.serve import serve
     from specd.configs import load_config
 
     store = tmp_path_factory.mktemp("online-store")
@@ -61,26 +60,13 @@ def server(tmp_path_factory, boot_hidden_drafter_dir):
         "trainer.collapse_alpha=0.0", "trainer.rollback_margin=1.0",
     ])
     ray.init(num_cpus=4, include_dashboard=False, namespace="specd-e2e-online", log_to_driver=False)
-    ready, handles, errors = threading.Event(), [], []
-
-    def run():
-        try:
-            serve(cfg, lambda h: (handles.append(h), ready.set()))
-        except BaseException as exc:  # surface bring-up failures in the test, not a silent hang
-            errors.append(exc)
-            ready.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(900), "server did not come up"
-    assert not errors, errors
-    client = SpecdClient(handles[0].address, timeout=600)
-    yield {"client": client, "handle": handles[0], "store": store}
-    client.close()
-    handles[0].stop()
-    thread.join(120)
-    ray.shutdown()
-    assert not thread.is_alive(), "server did not shut down"
+    try:
+        with serving(cfg) as handle:
+            client = SpecdClient(handle.address, timeout=600)
+            yield {"client": client, "handle": handle, "store": store}
+            client.close()
+    finally:
+        ray.shutdown()
 
 
 def test_swaps_while_streaming_keep_greedy_output_exact(server) -> None:

@@ -20,6 +20,7 @@ from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from specd.cluster.client import SpecdClient
+from tests.e2e.in_process import serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -57,7 +58,6 @@ def drafter_kind(cache_dir: str | None) -> str:
 @pytest.fixture(scope="module")
 def server():
     ray = pytest.importorskip("ray")
-    from specd.cluster.serve import serve
     from specd.configs import load_config
 
     # config groups and single keys, as `specd serve` takes them; ServerInfo must report them back
@@ -70,26 +70,13 @@ def server():
                        # of this module runs over them; the other servers' tests use plain actor calls
                        "ray.compiled_calls=true"])
     ray.init(num_cpus=4, include_dashboard=False, namespace="specd-e2e", log_to_driver=False)
-    ready, handles, errors = threading.Event(), [], []
-
-    def run():
-        try:
-            serve(cfg, lambda h: (handles.append(h), ready.set()))
-        except BaseException as exc:  # surface bring-up failures in the test, not a silent hang
-            errors.append(exc)
-            ready.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(900), "server did not come up"
-    assert not errors, errors
-    client = SpecdClient(handles[0].address, timeout=300)
-    yield {"client": client, "handle": handles[0], "cfg": cfg}
-    client.close()
-    handles[0].stop()
-    thread.join(120)
-    ray.shutdown()
-    assert not thread.is_alive(), "server did not shut down"
+    try:
+        with serving(cfg) as handle:
+            client = SpecdClient(handle.address, timeout=300)
+            yield {"client": client, "handle": handle, "cfg": cfg}
+            client.close()
+    finally:
+        ray.shutdown()
 
 
 def test_concurrent_unary_and_streaming_greedy_equal_target_only(server) -> None:
