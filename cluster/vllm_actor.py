@@ -75,11 +75,19 @@ class VllmTarget:
             self._lock.notify_all()
 
     def abort(self, request_ids: list[str]) -> None:
-        """Frees the requests' vLLM slots and KV blocks at once (no event follows for them)."""
+        """Frees the requests' vLLM slots and KV blocks at once. A FinishOut (CANCELLED) follows for each
+        request that was still live, carrying its step records: a request cut short by a stop string, a
+        cancel or a deadline leaves its training signal too, as one that ends at EOS does."""
         with self._lock:
+            wanted = set(request_ids)
+            live = {seq.request_id: seq for seq, _, _ in self.engine._live.values()
+                    if seq.request_id in wanted}
             self.engine.abort(request_ids)
+            ended = [FinishOut(rid, str(FinishReason.CANCELLED), seq.stats, self._records.pop(rid, []),
+                               self.engine.version()) for rid, seq in live.items()]
             for rid in request_ids:
                 self._records.pop(rid, None)
+        self._emit(ended)
 
     def poll(self, timeout_s: float = 0.5) -> list[TokensOut | FinishOut]:
         """The events since the last poll; waits up to timeout_s for the first one."""

@@ -34,6 +34,7 @@ from specd.workers.engine.types import FinishReason, NewRequest
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
+MAX_ABORTING = 256    # aborted requests per replica whose steps may still come back from its actor
 
 
 def vllm_limits(cfg) -> list[str]:
@@ -56,6 +57,8 @@ class _VllmReplica:
         self.actor = actor
         self.capacity = capacity
         self.members: dict[str, ServedRequest] = {}
+        # aborted here, their records not yet written: the actor's FinishOut brings their steps
+        self.aborting: dict[str, tuple[ServedRequest, FinishReason]] = {}
         self.steps = 0                  # read by the health prober
         self.drafter_version: str | None = None
         self.busy_base = 0.0
@@ -141,14 +144,19 @@ class VllmScheduler(Admission):
         req = self._requests.pop(request_id, None)
         if req is None or req.done:
             return
-        self._finish(req, reason)
+        running = next((rep for rep in self.replicas if rep.members.pop(request_id, None) is not None), None)
+        # a running request's record waits for the steps its actor still holds (_end writes it)
+        self._finish(req, reason, record=running is None)
         if req in self._waiting:
             self._waiting.remove(req)
             self._ignore_eos.pop(request_id, None)
-        for rep in self.replicas:
-            if rep.members.pop(request_id, None) is not None:
-                rep.actor.abort.remote([request_id])
-                rep.update_activity(time.perf_counter())
+        if running is not None:
+            if len(running.aborting) >= MAX_ABORTING:   # an actor that never answered: record the oldest
+                oldest, oldest_reason = running.aborting.pop(next(iter(running.aborting)))
+                self.observer.on_request_done(oldest.seq, oldest_reason)
+            running.aborting[request_id] = (req, reason)
+            running.actor.abort.remote([request_id])
+            running.update_activity(time.perf_counter())
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -196,6 +204,9 @@ class VllmScheduler(Admission):
             # where the proposer filed no ids, draft.tokens is the accepted prefix: the replay recorder
             # counts the rest as unseen (result.num_drafted says how many)
             self.observer.on_step(rep.index, draft, result, result.num_drafted)
+        aborted = rep.aborting.pop(event.request_id, None)
+        if aborted is not None:          # its client got its answer already; now its record, steps and all
+            self.observer.on_request_done(aborted[0].seq, aborted[1])
         if req is None:
             return
         rep.members.pop(req.id, None)
@@ -207,7 +218,8 @@ class VllmScheduler(Admission):
             self._finish(req, reason, event.error)
         self._dispatch()
 
-    def _finish(self, req: ServedRequest, reason: FinishReason, error: str = "") -> None:
+    def _finish(self, req: ServedRequest, reason: FinishReason, error: str = "", record: bool = True) -> None:
+        """record=False: the request's replay record is written later, when its actor's steps arrive."""
         if req.done:
             return
         req.done = True
@@ -218,7 +230,8 @@ class VllmScheduler(Admission):
         self.accepted += req.stats.spec.accepted
         req.events.put_nowait(FinishEvent(reason, req.stats, error))
         self.observer.on_finish(reason, req.stats)
-        self.observer.on_request_done(req.seq, reason)
+        if record:
+            self.observer.on_request_done(req.seq, reason)
 
     # ---- statistics ----------------------------------------------------------------------------
     def serving_replicas(self) -> int:

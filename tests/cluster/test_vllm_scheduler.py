@@ -65,13 +65,16 @@ class ScriptedActor:
 
 class Recorder(SchedulerObserver):
     def __init__(self):
-        self.steps, self.finishes = [], []
+        self.steps, self.finishes, self.records = [], [], []
 
     def on_step(self, replica, draft, result, depth):
         self.steps.append((replica, draft.drafter_version, result.num_drafted, result.num_accepted, depth))
 
     def on_finish(self, reason, stats):
         self.finishes.append(reason)
+
+    def on_request_done(self, seq, reason):   # what the replay recorder writes: the steps seen by then
+        self.records.append((seq.request_id, reason, len(self.steps)))
 
 
 def request(rid: str, max_new: int = 3) -> NewRequest:
@@ -123,6 +126,34 @@ def test_abort_finishes_at_once_reaches_vllm_and_drops_late_tokens():
     actor, tokens, fin, running = asyncio.run(run())
     assert actor.aborted == ["a"] and tokens == [] and running == 0
     assert fin.reason == FinishReason.CANCELLED
+
+
+def test_an_aborted_requests_record_waits_for_the_steps_its_actor_held():
+    """A stop string, cancel or deadline ends the stream at once; the replay record follows when the
+    actor's FinishOut brings the request's steps, so the trainer sees requests cut short too."""
+    async def run():
+        actor, observer = ScriptedActor(), Recorder()
+        s = VllmScheduler([actor], capacity=[2], max_queue=1, max_running=2, observer=observer)
+        await s.start()
+        handle = s.submit(request("a", max_new=100))
+        actor.events.append(TokensOut("a", [1, 2]))
+        while not s.tokens_generated:
+            await asyncio.sleep(0.01)
+        s.abort("a", FinishReason.STOP)
+        _, fin = await collect(handle)
+        before = list(observer.records)
+        stats = RequestStats()
+        stats.record_step(2, 1, False, drafter_version="v1")
+        step = (Draft("a", [1, 9], drafter_version="v1"), VerifyResult("a", 2, 1, [1, 2], False))
+        actor.events.append(FinishOut("a", "cancelled", stats, [step], "v1"))
+        while not observer.records:
+            await asyncio.sleep(0.01)
+        await s.stop()
+        return fin, before, observer
+
+    fin, before, observer = asyncio.run(run())
+    assert fin.reason == FinishReason.STOP and before == []
+    assert observer.records == [("a", FinishReason.STOP, 1)] and observer.steps == [(0, "v1", 2, 1, 2)]
 
 
 def test_admission_bounds_and_queue():

@@ -151,6 +151,21 @@ def test_openai_http_api_matches_grpc(server) -> None:
     http.close()
 
 
+def test_stop_strings_cut_the_real_tokenizers_text_unary_and_streamed(server) -> None:
+    """A stop string taken from the middle of a greedy answer (the real tokenizer's text, multi-token
+    pieces, spaces): the answer ends right before it, the same unary and streamed, as a stop."""
+    c = server["client"]
+    full = c.generate(PROMPTS[1], max_new_tokens=48, ignore_eos=True).text
+    middle = len(full) // 2
+    stop = full[middle : middle + 6]
+    cut = full[: full.index(stop)]
+    assert stop.strip() and cut, full
+    out = c.generate(PROMPTS[1], max_new_tokens=48, ignore_eos=True, stop=[stop, "never appears 123"])
+    assert (out.text, out.finish_reason) == (cut, "stop")
+    chunks = list(c.stream(PROMPTS[1], max_new_tokens=48, ignore_eos=True, stop=[stop]))
+    assert "".join(ch.text for ch in chunks) == cut and chunks[-1].finish_reason == "stop"
+
+
 def test_greedy_output_matches_transformers(server) -> None:
     """Target-only through the server is compared above; this anchors it to an independent reference."""
     import torch
