@@ -339,10 +339,27 @@ def step_trace(root: Path, files: list[str], where: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def chat(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """`specd bench chat --json`: held-out chat through the server, fresh and after the stream."""
+    lines = ["| file | configuration | phase | speed-up | median | specd / target-only tok/s | "
+             "drafted/step | α | stream tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in files:
+        doc = _load(root, name)
+        config = " ".join(doc["meta"]["overrides"]) or "default"
+        for phase in ("fresh", "after"):
+            r = doc[phase]
+            stream = f"{doc['stream']['tokens_per_s']:.1f}" if phase == "after" else ""
+            tps = f"{r['on_tokens_per_s']:.1f} / {r['off_tokens_per_s']:.1f}"
+            lines.append(f"| `{Path(name).name}` | {config} | {phase} | {r['speedup']:.3f}x | "
+                         f"{r['speedup_median']:.3f}x | {tps} | {r['drafted_per_step']:.2f} | "
+                         f"{r['acceptance_rate']:.2f} | {stream} |")
+    return "\n".join(lines)
+
+
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
          "osd-arms": osd_arms, "soak": soak, "overhead": overhead, "overhead-ab": overhead_ab,
          "overhead-gpu": overhead_gpu, "overhead-targets": overhead_targets, "serve-vllm": serve_vllm,
-         "step-trace": step_trace}
+         "step-trace": step_trace, "chat": chat}
 
 
 def sources(spec: str) -> list[str]:
