@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,9 @@ class ModelConfig:
         """Whether the layer rotates by the sliding layers' own RoPE (Gemma 3's local base)."""
         return self.local_rope_theta is not None and self.layer_types[layer] == SLIDING
 
-    @property
+    @cached_property
     def has_sliding_layers(self) -> bool:
+        """Read by every forward: computed once (the config does not change after loading)."""
         return any(self.is_sliding(i) for i in range(self.num_layers))
 
     @classmethod

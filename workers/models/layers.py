@@ -114,9 +114,10 @@ def window_mask(
     their positions; a new key's position is its token's (a tree node's is start + depth, not its slot)."""
     b, n = positions.shape
     kv_len = mask.shape[-1] if mask is not None else int(starts.max()) + n
-    rel = torch.arange(kv_len, device=positions.device)[None, :] - starts[:, None]  # [b, L]
+    slot = torch.arange(kv_len, device=positions.device)[None, :]                   # [1, L]
+    rel = slot - starts[:, None]                                                     # [b, L]
     new_pos = positions.gather(1, rel.clamp(0, n - 1))                               # [b, L]
-    key_pos = torch.where(rel >= 0, new_pos, torch.arange(kv_len, device=positions.device)[None, :])
+    key_pos = torch.where(rel >= 0, new_pos, slot)
     near = (positions[:, :, None] - key_pos[:, None, :]) < window                    # [b, n, L]
     return near[:, None] if mask is None else mask & near[:, None]
 
