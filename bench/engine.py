@@ -305,7 +305,7 @@ def collect_rows(results: dict[str, list[dict]], plan: Plan) -> tuple[list[dict]
             for cell in result["cells"]:
                 row = make_row(name, cell, plan.max_new_tokens, result.get("peak_rss_mb"),
                                speculative_specd=system.kind == "specd" and system.spec_enabled,
-                               load_s=result.get("load_s"))
+                               load_s=result.get("load_s"), warmup_s=result.get("warmup_s"))
                 if cell.get("suffix_sources"):
                     # the suffix drafter's drafted/accepted tokens by source, and the share of all accepted
                     # tokens drafted from other requests' outputs (its global index)

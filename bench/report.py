@@ -27,7 +27,8 @@ def cell_key(row: dict[str, Any]) -> CellKey:
 
 
 def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb: float | None,
-             speculative_specd: bool, load_s: float | None = None) -> dict[str, Any]:
+             speculative_specd: bool, load_s: float | None = None,
+             warmup_s: float | None = None) -> dict[str, Any]:
     """One JSON row from a child's raw cell measurements."""
     wall = cell["wall_s"]
     generated = cell["generated_tokens"]
@@ -53,6 +54,7 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "tokens_per_step": (cell["emitted"] / steps) if steps else None,
         "peak_rss_mb": peak_rss_mb,
         "load_s": load_s,
+        "warmup_s": warmup_s,       # the untimed warm-ups (compiles, CUDA graph captures)
         "loadavg_1m_max": max(cell["loadavg"]) if cell.get("loadavg") else None,
         "other_cpus": cell.get("other_cpus"),
         "speculative_specd": speculative_specd,

@@ -39,6 +39,7 @@ class Decode(StrEnum):
     eager = "eager"
     static = "static"
     graph = "graph"
+    compiled = "compiled"
 
 
 class DrafterKind(StrEnum):

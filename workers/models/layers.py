@@ -40,7 +40,8 @@ def can_pack(device: torch.device, dtype: torch.dtype, mode: str = "onednn") -> 
 PACK_MODES = ("none", "onednn", "int8")
 # A forward's attention masks, (full layers', sliding-window layers'): [b, 1, n, L] bool or None each
 Masks = tuple[torch.Tensor | None, torch.Tensor | None]
-# A forward's RoPE, (the model's, the sliding layers' own): [b, n, 1, d/2] complex each, the same tensor
+# A forward's RoPE, (the model's, the sliding layers' own): [b, n, 1, d/2] complex each (or
+# [b, n, 1, d/2, 2] real, see apply_rope), the same tensor
 # twice unless the model has a local RoPE base (Gemma 3)
 Ropes = tuple[torch.Tensor, torch.Tensor]
 
@@ -98,9 +99,15 @@ def interleave_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x [b, n, heads, d] in interleaved layout, rope [b, n, 1, d/2] complex -> rotated [b, n, heads, d]."""
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(xc * rope).flatten(-2).to(x.dtype)
+    """x [b, n, heads, d] in interleaved layout, rope [b, n, 1, d/2] complex, or [b, n, 1, d/2, 2] real
+    (cos, sin) -> rotated [b, n, heads, d]. The real form is for torch.compile, whose inductor generates
+    no code for complex operators; eager keeps the one complex multiply."""
+    if rope.is_complex():
+        xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+        return torch.view_as_real(xc * rope).flatten(-2).to(x.dtype)
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)   # [b, n, heads, d/2] each
+    cos, sin = rope.unbind(-1)                             # [b, n, 1, d/2] each
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 def window_mask(

@@ -82,6 +82,7 @@ class Llama(nn.Module):
         self.rope_local = None if cfg.local_rope_theta is None else rope_table(
             cfg.head_dim, cfg.local_rope_theta, max_pos, device, cfg.local_rope_scaling,
             cfg.max_position_embeddings)  # sliding layers' own (Gemma 3)
+        self._rope_real: tuple[torch.Tensor, torch.Tensor | None] | None = None   # see rope_tables
         self.packed = "none"
 
     @property
@@ -164,11 +165,23 @@ class Llama(nn.Module):
             logits = self._head(picked, full_vocab)  # [b, m, vocab]
         return (logits, plan.unpack(h)) if return_hidden else logits
 
-    def ropes(self, positions: torch.Tensor) -> Ropes:  # positions [b, n] -> [b, n, 1, d/2] complex each
-        """The RoPE of every layer kind at these positions (one tensor twice without a local base)."""
+    def ropes(self, positions: torch.Tensor, real: bool = False) -> Ropes:
+        """The RoPE of every layer kind at positions [b, n] (one tensor twice without a local base):
+        [b, n, 1, d/2] complex each, or with real=True [b, n, 1, d/2, 2] (cos, sin) for compiled code."""
         positions = positions.to(self.rope.device)
-        rope = self.rope[positions].unsqueeze(2)
-        return rope, rope if self.rope_local is None else self.rope_local[positions].unsqueeze(2)
+        tables = self.rope_tables(real)
+        rope = tables[0][positions].unsqueeze(2)
+        return rope, rope if tables[1] is None else tables[1][positions].unsqueeze(2)
+
+    def rope_tables(self, real: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the RoPE table, the sliding layers' own or None): [max_pos, d/2] complex, or real=True
+        [max_pos, d/2, 2] (cos, sin), built once."""
+        if not real:
+            return self.rope, self.rope_local
+        if self._rope_real is None:
+            self._rope_real = tuple(None if t is None else torch.view_as_real(t).contiguous()
+                                    for t in (self.rope, self.rope_local))
+        return self._rope_real
 
     def embed(
         self,

@@ -18,7 +18,7 @@ from specd.workers.core.kv_cache import CacheFullError, KVCache
 from specd.workers.models.llama import Llama, iter_safetensors, safetensors_files
 from specd.workers.models.static_decode import StaticDecoder
 
-DECODE_MODES = ("eager", "static", "graph")
+DECODE_MODES = ("eager", "static", "graph", "compiled")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -81,13 +81,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             prefer_shape_free_attention()
         # Inductor cannot trace oneDNN's opaque packed weights: compile works on the plain ones.
-        pack = "none" if compile else pack_weights
+        pack = "none" if compile or decode == "compiled" else pack_weights
         self.model = Llama.from_pretrained(model_dir, self.device, dtype, max_seq_len=max_seq_len, pack=pack)
         if decode not in DECODE_MODES:
             raise ValueError(f"unknown decode mode {decode!r}; choose from {DECODE_MODES}")
         static = decode != "eager"
         self.cache: KVCache = self.model.make_cache(max_slots, max_seq_len, scratch_slot=static)
-        self.static = StaticDecoder(self.model, self.cache, capture=decode == "graph") if static else None
+        capture = decode == "graph" or (decode == "compiled" and self.device.type == "cuda")
+        self.static = (StaticDecoder(self.model, self.cache, capture=capture, compile=decode == "compiled")
+                       if static else None)
         self.prefill_chunk = prefill_chunk
         self.full_vocab = full_vocab or self.model.draft_vocab_ids is None
         self._forward = self.model.forward

@@ -52,7 +52,8 @@ class _Graph:
 class StaticDecoder:
     """Runs ModelRunner's decode forwards at static shapes (see the module docstring)."""
 
-    def __init__(self, model: Llama, cache: KVCache, capture: bool, max_tokens: int = 64):
+    def __init__(self, model: Llama, cache: KVCache, capture: bool, max_tokens: int = 64,
+                 compile: bool = False):
         if cache.scratch is None:
             raise ValueError("static decoding needs a KV cache with a scratch slot")
         if capture and model.embed_tokens.device.type != "cuda":
@@ -64,6 +65,18 @@ class StaticDecoder:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._pending: torch.cuda.Event | None = None   # the last host-to-device copy of the inputs
         self.chains = True                               # drafter chains in one run (see chain)
+        # compile: the padded layers as inductor kernels (fused norms, RoPE, masks, MLP), one compiled
+        # graph for every bucket (dynamic shapes; sizes 1 are specialised, so a few compiles in all);
+        # on CUDA each bucket's replay is still one CUDA graph, of the compiled kernels.
+        self.layers = torch.compile(self._layers, dynamic=True) if compile else self._layers
+        self.real_rope = compile
+        if compile:
+            model.rope_tables(real=True)    # built here, once, not inside the traced code
+            # Every decoder's method shares one code object, so one dynamo cache: a target and a drafter
+            # in one process, each with a few specialisations, pass the default limit of 8, past which
+            # dynamo would silently run the rest eagerly.
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
 
     def handles(self, b: int, n: int) -> bool:
         """Shapes this decoder takes; larger ones (a long prompt chunk) go the normal way."""
@@ -241,9 +254,9 @@ class StaticDecoder:
 
     def _run(self, bufs, kv_len: int, full_vocab: bool, return_hidden: bool) -> tuple[torch.Tensor, ...]:
         """The padded forward, shapes fixed by the buffers and kv_len: what a CUDA graph captures."""
-        hidden = self._layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
-                              bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
-                              bufs.get("staleness"), kv_len)
+        hidden = self.layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
+                             bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
+                             bufs.get("staleness"), kv_len)
         logits = self.model._head(hidden, full_vocab)
         return (logits, hidden) if return_hidden else (logits,)
 
@@ -263,7 +276,7 @@ class StaticDecoder:
         model, cache = self.model, self.cache
         # Padded tokens may run past the table; their outputs are never read.
         positions = (starts[:, None] + depth).clamp(max=model.rope.shape[0] - 1)
-        ropes = model.ropes(positions)  # [bb, nb, 1, d/2] each
+        ropes = model.ropes(positions, real=self.real_rope)  # [bb, nb, 1, d/2] complex, or [.., d/2, 2]
         mask = _attention_mask(starts, tree, kv_len)  # [bb, 1, nb, kv_len]
         window = model.cfg.sliding_window
         # sliding layers' mask (Mistral, Qwen2); built whenever the model has one, as shapes are fixed here
@@ -290,9 +303,9 @@ class StaticDecoder:
         bb = bufs["ids"].shape[0]
         rows = torch.arange(bb, device=self.device)
         last = bufs["last"]                                        # [bb] each row's newest feed token
-        hidden = self._layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
-                              bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
-                              bufs.get("staleness"), kv_len)
+        hidden = self.layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
+                             bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
+                             bufs.get("staleness"), kv_len)
         token = self._argmax_ids(hidden[rows, last][:, None])     # [bb, 1]
         drafted = [token]
         root = None if "features" not in bufs else bufs["features"][rows, last][:, None]   # [bb, 1, hidden]
@@ -303,8 +316,8 @@ class StaticDecoder:
         for k in range(1, steps):
             start = after_feed + (k - 1)                           # [bb]; padded rows: scratch positions
             stale = None if root is None else torch.full((bb, 1), k, dtype=torch.long, device=self.device)
-            hidden = self._layers(token, depth, sees_itself, slots, start, slots[:, None], start[:, None],
-                                  root, stale, kv_len)
+            hidden = self.layers(token, depth, sees_itself, slots, start, slots[:, None], start[:, None],
+                                 root, stale, kv_len)
             token = self._argmax_ids(hidden)
             drafted.append(token)
         return (torch.cat(drafted, dim=1),)

@@ -59,6 +59,18 @@ def test_config_reads_both_rope_spellings():
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
 
 
+def test_real_rope_rotates_as_the_complex_one(tiny):
+    """The (cos, sin) form compiled code uses gives the complex multiply's rotation, from tables built once."""
+    from specd.workers.models.layers import apply_rope
+
+    positions = torch.tensor([[0, 3, 7], [1, 2, 200]])                      # [b, n]
+    x = torch.randn(2, 3, 4, tiny.cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    complex_rope, real_rope = tiny.ropes(positions)[0], tiny.ropes(positions, real=True)[0]
+    assert complex_rope.is_complex() and real_rope.shape == (2, 3, 1, tiny.cfg.head_dim // 2, 2)
+    torch.testing.assert_close(apply_rope(x, real_rope), apply_rope(x, complex_rope), rtol=1e-6, atol=1e-6)
+    assert tiny.rope_tables(real=True)[0] is tiny.rope_tables(real=True)[0]
+
+
 def test_full_forward_matches_transformers(tiny, hf_tiny):
     ids = [5, 17, 99, 3, 42, 64, 7, 120, 1, 33]
     cache = _fresh(tiny)
