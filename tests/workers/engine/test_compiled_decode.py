@@ -58,7 +58,8 @@ def test_compiled_runner_keeps_plain_weights_and_compiles_the_layers(tiny_target
 
 @pytest.mark.parametrize(
     "with_drafter,spec",
-    [(False, SpecParams(enabled=False)), (True, SpecParams(gamma=4)), (True, SpecParams(gamma=3, tree_width=3))],
+    [(False, SpecParams(enabled=False)), (True, SpecParams(gamma=4)),
+     (True, SpecParams(gamma=3, tree_width=3))],
     ids=["target-only", "chain", "tree"],
 )
 def test_compiled_engine_is_token_identical_to_eager(compiled_workers, tiny_target_dir, tiny_drafter_dir,
