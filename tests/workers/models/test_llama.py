@@ -60,7 +60,7 @@ def test_config_reads_both_rope_spellings():
 
 
 def test_real_rope_rotates_as_the_complex_one(tiny):
-    """The (cos, sin) form that compiled code uses rotates as the complex multiply; its tables are built once."""
+    """The (cos, sin) form of compiled code rotates as the complex multiply; its tables are built once."""
     from specd.workers.models.layers import apply_rope
 
     positions = torch.tensor([[0, 3, 7], [1, 2, 200]])                      # [b, n]
