@@ -90,7 +90,7 @@ class TargetConfig:
     # weights and activations of the target: auto = bfloat16 on cuda, float32 on cpu; or float32,
     # bfloat16, float16
     dtype: DType = DType.auto
-    # decode forwards: auto = CUDA graphs on cuda, eager on cpu; or eager, static, graph (docs/gpus.md)
+    # decode forwards: auto = compiled on cuda, eager on cpu; or eager, static, graph, compiled (docs/gpus.md)
     decode: Decode = Decode.auto
     num_gpus: float = 0.0               # Ray GPUs per target replica; 0 on cuda = placed automatically
     num_cpus: float = 1.0               # Ray CPUs per target replica

@@ -33,9 +33,10 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 
 
 def resolve_decode(name: str, device: str | torch.device) -> str:
-    """A config decode mode; "auto" captures CUDA graphs on CUDA and keeps the eager path elsewhere."""
+    """A config decode mode; "auto" is compiled kernels in CUDA graphs on CUDA (docs/decisions/
+    compiled-decode.md) and the eager path elsewhere."""
     if name == "auto":
-        return "graph" if torch.device(device).type == "cuda" else "eager"
+        return "compiled" if torch.device(device).type == "cuda" else "eager"
     return name
 
 

@@ -68,7 +68,7 @@ class StaticDecoder:
         # compile: the padded layers as inductor kernels (fused norms, RoPE, masks, MLP), one compiled
         # graph for every bucket (dynamic shapes; sizes 1 are specialised, so a few compiles in all);
         # on CUDA each bucket's replay is still one CUDA graph, of the compiled kernels.
-        self.layers = torch.compile(self._layers, dynamic=True) if compile else self._layers
+        self._compiled = torch.compile(self._layers, dynamic=True) if compile else None
         self.real_rope = compile
         if compile:
             model.rope_tables(real=True)    # built here, once, not inside the traced code
@@ -259,6 +259,20 @@ class StaticDecoder:
                              bufs.get("staleness"), kv_len)
         logits = self.model._head(hidden, full_vocab)
         return (logits, hidden) if return_hidden else (logits,)
+
+    def layers(self, *args) -> torch.Tensor:
+        """_layers, compiled where decode=compiled. Where compiling fails (no C++ compiler or Triton on
+        the host, a torch bug), the decoder warns once and runs the plain layers from then on: compiled
+        decoding degrades to the static path's speed, never to failed requests. Compiling happens in a
+        bucket's warm-up runs, before any CUDA graph capture starts."""
+        if self._compiled is not None:
+            try:
+                return self._compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as err:
+                log.warning("decode=compiled: compiling the decode forward failed, running it uncompiled "
+                            "from now on: %s", err)
+                self._compiled = None
+        return self._layers(*args)
 
     def _layers(
         self,

@@ -46,7 +46,7 @@ def test_compiled_runner_keeps_plain_weights_and_compiles_the_layers(tiny_target
     runner = ModelRunner(tiny_target_dir, max_slots=2, max_seq_len=64, decode="compiled")
     assert runner.model.packed == "none"            # inductor cannot trace oneDNN's packed weights
     assert runner.static is not None and not runner.static.capture   # no CUDA graphs on a CPU
-    assert runner.static.layers is not runner.static._layers
+    assert runner.static._compiled is not None
     static = ModelRunner(tiny_target_dir, max_slots=2, max_seq_len=64, decode="static")
     outs = []
     for r in (static, runner):
@@ -70,3 +70,22 @@ def test_compiled_engine_is_token_identical_to_eager(compiled_workers, tiny_targ
     outputs = _generate(target, drafter if with_drafter else None, spec)
     assert outputs == expected
     assert all(len(o) == 24 for o in outputs)
+
+
+def test_a_failed_compile_falls_back_to_the_plain_layers(tiny_target_dir, caplog) -> None:
+    """No C++ compiler or Triton on the host: the decoder warns and decodes uncompiled, same logits."""
+    runner = ModelRunner(tiny_target_dir, max_slots=1, max_seq_len=64, decode="compiled")
+    static = ModelRunner(tiny_target_dir, max_slots=1, max_seq_len=64, decode="static")
+
+    def broken(*args):
+        raise torch._dynamo.exc.TorchDynamoException("no compiler here")
+
+    runner.static._compiled = broken
+    outs = []
+    for r in (runner, static):
+        slot = r.allocate()
+        r.prefill([slot], [[5, 6, 7]])
+        outs.append(r.extend([slot], [[1, 2]]))
+    assert runner.static._compiled is None
+    assert "compiling the decode forward failed" in caplog.text
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -24,7 +24,7 @@ PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5
 def test_buckets_and_auto_settings() -> None:
     assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert bucket(40, 32) == 32
-    assert resolve_decode("auto", "cpu") == "eager" and resolve_decode("auto", "cuda") == "graph"
+    assert resolve_decode("auto", "cpu") == "eager" and resolve_decode("auto", "cuda") == "compiled"
     assert resolve_dtype("auto", "cpu") == torch.float32 and resolve_dtype("auto", "cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8", "cpu")
