@@ -36,6 +36,13 @@ class ChainVerifyOutput:
         """The tokens row emitted this step (accepted + 1 of them)."""
         return self.output_tokens[row, : int(self.num_accepted[row]) + 1].tolist()
 
+    def to_host(self) -> tuple[list[int], list[bool], list[list[int]]]:
+        """(num_accepted, is_bonus, output_tokens) as host lists, in one device-to-host read for the whole
+        batch: each read is a GPU synchronisation, and a step should make one."""
+        packed = torch.cat([self.num_accepted[:, None], self.is_bonus[:, None].long(), self.output_tokens],
+                           dim=1).tolist()                                   # [batch, 2 + gamma_max + 1]
+        return [r[0] for r in packed], [bool(r[1]) for r in packed], [r[2:] for r in packed]
+
 
 def residual_weights(
     p: torch.Tensor,  # [batch, vocab]
@@ -58,6 +65,7 @@ def verify_chain(
     target_probs: torch.Tensor,  # p [batch, gamma_max + 1, vocab], already through logits_to_probs
     generators: list[torch.Generator | None],  # one per row; None = torch's default generator
     greedy: list[bool] | None = None,  # rows whose p is one-hot (temperature 0): they draw no randomness
+    host_drafted: list[int] | None = None,  # num_drafted as the caller has it on the host: no device read
 ) -> ChainVerifyOutput:
     batch, gamma_max = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -77,7 +85,8 @@ def verify_chain(
     # Accept x_i with probability min(1, p/q): u < p/q, written without the division so that q = 0 and
     # one-hot rows need no special case. Randomness per row: num_drafted uniforms, then vocab
     # exponentials, whatever the outcome.
-    u = uniform_noise(generators, num_drafted.tolist(), gamma_max, device, greedy)  # [batch, gamma_max]
+    counts = num_drafted.tolist() if host_drafted is None else host_drafted
+    u = uniform_noise(generators, counts, gamma_max, device, greedy)  # [batch, gamma_max]
     accepted = (u * q_draft < p_draft) & is_real
     # The number accepted is the length of the leading run of True.
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]

@@ -323,16 +323,14 @@ class TargetWorker:
             p = p[rows]
         p = p[:, : gamma_max + 1]                                         # [c, γmax+1, vocab]
         # Built from Python lists in one host-to-device copy each, on the device verification runs on.
-        num_drafted = torch.tensor([len(d.tokens) for d in chain], dtype=torch.long, device=p.device)
+        drafted = [len(d.tokens) for d in chain]
+        num_drafted = torch.tensor(drafted, dtype=torch.long, device=p.device)
         padded = [list(d.tokens) + [0] * (gamma_max - len(d.tokens)) for d in chain]
         draft_tokens = torch.tensor(padded, dtype=torch.long, device=p.device).view(len(chain), gamma_max)
         q = self._stack_q(chain, gamma_max, p.shape[-1], draft_tokens, p.device)
         out = verify_chain(draft_tokens, num_drafted, q, p, [runs[i].generator for i in rows],
-                           [runs[i].sampling.is_greedy for i in rows])
-        # One device-to-host read for the whole batch (each read is a GPU synchronisation), then host lists.
-        num_accepted, is_bonus, output_tokens = (
-            t.tolist() for t in (out.num_accepted, out.is_bonus, out.output_tokens)
-        )
+                           [runs[i].sampling.is_greedy for i in rows], host_drafted=drafted)
+        num_accepted, is_bonus, output_tokens = out.to_host()      # the step's outcome, read once
         states = None
         if hidden is not None:
             states = hidden[rows, : gamma_max + 1].float().cpu()          # [c, γmax+1, H]

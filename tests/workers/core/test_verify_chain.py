@@ -134,3 +134,29 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
         tuple(verify_chain(drafts, num_drafted, q, p, [make_generator(s)] * 4).emitted(0)) for s in range(30)
     }
     assert len(others) > 1
+
+
+def test_a_verified_batch_reaches_the_host_in_one_read(monkeypatch):
+    """Greedy and sampled rows of different draft lengths: verification itself reads nothing back (the
+    draft counts come from the host), and its outcome comes back in one read. Each read is a GPU
+    synchronisation; .item(), .tolist(), .cpu() and .numpy() of any tensor are counted."""
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(3, 4, VOCAB, generator=gen), dim=-1)     # [batch, γmax+1, vocab]
+    q = torch.softmax(torch.randn(3, 3, VOCAB, generator=gen), dim=-1)     # [batch, γmax, vocab]
+    p[0] = one_hot([2, 4, 1, 5])                                            # a greedy row
+    drafts = torch.tensor([[2, 4, 0], [1, 3, 5], [0, 0, 0]])
+    drafted = [2, 3, 0]
+    reads = []
+    for name in ("item", "tolist", "cpu", "numpy"):
+        def counted(self, *args, _name=name, _original=getattr(torch.Tensor, name), **kw):
+            reads.append(_name)
+            return _original(self, *args, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = verify_chain(drafts, torch.tensor(drafted), q, p, [make_generator(s) for s in range(3)],
+                       [True, False, False], host_drafted=drafted)
+    accepted, bonus, tokens = out.to_host()
+    assert reads == ["tolist"]
+    monkeypatch.undo()
+    assert accepted == out.num_accepted.tolist() and bonus == out.is_bonus.tolist()
+    assert tokens == out.output_tokens.tolist()
+    assert accepted[0] == 2 and tokens[0][:3] == [2, 4, 1]      # the greedy row: both drafts, then p's argmax
