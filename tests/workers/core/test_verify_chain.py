@@ -147,11 +147,17 @@ def test_a_verified_batch_reaches_the_host_in_one_read(monkeypatch):
     drafts = torch.tensor([[2, 4, 0], [1, 3, 5], [0, 0, 0]])
     drafted = [2, 3, 0]
     reads = []
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, **kw):
+            reads.append(name)
+            return original(self, *args, **kw)
+        return counted
+
     for name in ("item", "tolist", "cpu", "numpy"):
-        def counted(self, *args, _name=name, _original=getattr(torch.Tensor, name), **kw):
-            reads.append(_name)
-            return _original(self, *args, **kw)
-        monkeypatch.setattr(torch.Tensor, name, counted)
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
     out = verify_chain(drafts, torch.tensor(drafted), q, p, [make_generator(s) for s in range(3)],
                        [True, False, False], host_drafted=drafted)
     accepted, bonus, tokens = out.to_host()
