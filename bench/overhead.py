@@ -75,6 +75,15 @@ def base_overrides(target_dir: Path, drafter_dir: Path | None, max_batch: int, f
     return out
 
 
+def uncaptured(cfg) -> None:
+    """Free forwards answer at once: there is nothing to capture or compile. A captured decode mode the
+    user asked for (for the real cells) runs as `static` in the free ones, its bucketing and input
+    staging measured all the same."""
+    for section in (cfg.target, cfg.drafter):
+        if section.decode in ("graph", "compiled"):
+            section.decode = "static"
+
+
 def prompts(batch: int, salt: int) -> list[list[int]]:
     """Distinct prompts of PROMPT_LEN tokens within the drafter's head (no EOS)."""
     return [[2 + (salt * 7919 + i * 131 + j * 17) % 4000 for j in range(PROMPT_LEN)] for i in range(batch)]
@@ -241,6 +250,8 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
 
     max_batch = max(args.batch_sizes)
     cfg = load_config(base_overrides(target_dir, drafter_dir, max_batch, free) + list(args.overrides))
+    if free:
+        uncaptured(cfg)
     if not free:
         from specd.cluster.first_start import ensure_serving_drafter
 

@@ -62,6 +62,19 @@ def test_the_static_decode_path_runs_on_free_forwards(tmp_path):
     assert by["chain"]["tokens_per_step"] == 8 and by["target-only"]["tokens_per_step"] == 2
 
 
+def test_free_cells_run_a_captured_decode_mode_uncaptured():
+    """`target.decode=compiled` asked for the real cells (the GPU default) must not fail the free ones:
+    they run the static path, which free forwards can stand in for."""
+    from specd.configs import load_config
+
+    cfg = load_config(["target.decode=compiled", "drafter.decode=graph"])
+    overhead.uncaptured(cfg)
+    assert (cfg.target.decode, cfg.drafter.decode) == ("static", "static")
+    cfg = load_config(["target.decode=eager"])
+    overhead.uncaptured(cfg)
+    assert (cfg.target.decode, cfg.drafter.decode) == ("eager", "auto")
+
+
 def test_gpu_busy_profiles_only_real_forwards_on_cuda():
     class Run:
         done = False
