@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -264,14 +265,23 @@ async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
 
 
 async def _warm_up(scheduler, codec, cfg: SpecdConfig, replicas: int) -> None:
-    """One short greedy request per replica (the dispatcher spreads them), so the first client does
-    not pay for lazy initialisation in the workers."""
+    """Short greedy requests on every replica (the dispatcher spreads them), so the first clients do not
+    pay for lazy initialisation in the workers. With decode=compiled (the CUDA default) that is
+    torch.compile's specialisations, seconds each: one row and several, one new token and a verify of
+    several, the drafter's chain. So a first round sends one request per replica as configured, and a
+    second two per replica side by side, one drafting a fixed γ and one target-only."""
     prompt = codec.encode("Hello")
-    spec = SpecParams.from_config(cfg.spec)
-    reqs = [NewRequest(f"warmup-{i}", prompt, SamplingParams(), 4, spec) for i in range(replicas)]
-    for _, fin in await asyncio.gather(*[scheduler.generate(r, ignore_eos=True) for r in reqs]):
-        if fin.reason == "error":
-            raise RuntimeError(f"warm-up failed: {fin.error}")
+    configured = SpecParams.from_config(cfg.spec)
+    rounds = [[configured] * replicas]
+    if configured.enabled:
+        drafting = dataclasses.replace(configured, policy="fixed", gamma=max(configured.gamma, 1))
+        rounds.append([drafting, SpecParams(enabled=False)] * replicas)
+    for r, specs in enumerate(rounds):
+        reqs = [NewRequest(f"warmup-{r}-{i}", prompt, SamplingParams(), 4, spec)
+                for i, spec in enumerate(specs)]
+        for _, fin in await asyncio.gather(*[scheduler.generate(q, ignore_eos=True) for q in reqs]):
+            if fin.reason == "error":
+                raise RuntimeError(f"warm-up failed: {fin.error}")
 
 
 async def _poll_worker_stats(scheduler, metrics, online=None, online_metrics=None) -> None:

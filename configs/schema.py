@@ -220,7 +220,7 @@ class ServerConfig:
     # The OpenAI-compatible HTTP API on server.host (/v1/chat/completions, /v1/completions, /v1/models,
     # /health), with the gRPC port's tokens and TLS; 0 = pick a free port; null = off
     http_port: int | None = 8000
-    warmup: bool = True                 # one short request per replica before SERVING
+    warmup: bool = True                 # short requests on every replica (compiles, captures) before SERVING
     # SIGTERM/SIGINT: health NOT_SERVING at once, new requests refused, in-flight ones get this long to
     # finish before they are cancelled; a second signal exits at once
     shutdown_grace_s: float = 10.0

@@ -19,6 +19,9 @@ from specd.workers.engine.target_worker import TargetWorker
 from specd.workers.engine.types import NewRequest, SpecParams
 from specd.workers.models.runner import ModelRunner
 
+# inductor compiles C++ for minutes on a cold cache: not part of the quick loop
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [11, 12]]
 
 
