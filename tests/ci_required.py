@@ -8,9 +8,9 @@ the skip's reason, unless the test is listed in CI_SKIPS with why it cannot run 
 2-core CPU without a GPU). `ci_required` marks the tests whose fixtures must never skip there. Outside CI
 a skip stays a skip; `-rs` (pyproject.toml) prints every skip's reason either way.
 
-Tests that use the real model, the bootstrapped drafters or a Ray session (by their fixtures) are
-marked `slow`, so `pytest -m "not slow"` is the quick loop; modules that start subprocesses or Ray
-themselves mark themselves.
+Tests that use the real model, the bootstrapped drafters, a Ray session or a redis-server of their own
+(by their fixtures, SLOW_FIXTURES) are marked `slow`, so `pytest -m "not slow"` is the quick loop;
+modules and tests that start subprocesses, Ray or a server themselves mark themselves.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ CI_SKIPS = {
         "CUDA graph capture needs a GPU; CI's machine has none (run on a lent GPU: scripts/gpu_bench.sh)",
 }
 
+# What a test starts, by its fixtures: the real model or a bootstrapped drafter, a Ray session, a
+# redis-server of its own.
 SLOW_FIXTURES = frozenset({"target_model_dir", "real_target_dir", "boot_drafter_dir",
-                           "boot_hidden_drafter_dir", "ray_session"})
+                           "boot_hidden_drafter_dir", "ray_session", "ray_local", "ray_echo",
+                           "ray_for_serving", "redis_server", "redis_with_password"})
 
 
 def in_ci() -> bool:

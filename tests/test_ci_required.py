@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow     # each test runs pytest in a subprocess
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = '''
 import pytest

@@ -90,6 +90,7 @@ def test_gpu_busy_profiles_only_real_forwards_on_cuda():
     assert overhead.gpu_busy(Run(), "free", Target()) == {}
 
 
+@pytest.mark.slow     # starts Ray actors
 def test_router_cells_run_through_ray_actors(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "router.json"
@@ -105,6 +106,7 @@ def test_router_cells_run_through_ray_actors(tmp_path):
     assert busy[1]["drafter"] > 0 and busy[1]["target"] > 0
 
 
+@pytest.mark.slow     # starts Ray actors and a compiled graph
 def test_router_cells_time_the_compiled_graph_with_compiled_calls(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "router-compiled.json"

@@ -137,6 +137,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.slow     # starts a local Ray cluster
 def test_local_start_ignores_a_stale_cluster_address_file(tmp_path) -> None:
     """A <tmp>/ray/ray_current_cluster left by an earlier cluster (here: pointing at nothing) must not be
     followed when no ray.address is configured: specd starts its own local cluster."""

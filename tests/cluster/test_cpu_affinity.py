@@ -66,6 +66,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.slow     # starts Ray workers
 @pytest.mark.skipif(not _IOMP.is_file() or (os.cpu_count() or 1) < 2, reason="needs libiomp5 and 2 CPUs")
 def test_real_ray_workers_under_preloaded_intel_openmp_use_every_cpu() -> None:
     def probe(with_hook: bool) -> tuple[str, str]:

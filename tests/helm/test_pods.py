@@ -46,7 +46,7 @@ from tests.helm.pods import (
 )
 
 helm_python = pytest.importorskip("helm_python")
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.slow,    # four Ray nodes, Redis, the router: minutes
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]
 
 ROOT = Path(__file__).resolve().parents[2]
