@@ -33,8 +33,7 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 
 
 def resolve_decode(name: str, device: str | torch.device) -> str:
-    """A config decode mode; "auto" is compiled kernels in CUDA graphs on CUDA (docs/decisions/
-    compiled-decode.md) and the eager path elsewhere."""
+    """A config decode mode; "auto": compiled on CUDA (docs/decisions/compiled-decode.md), else eager."""
     if name == "auto":
         return "compiled" if torch.device(device).type == "cuda" else "eager"
     return name
@@ -71,8 +70,9 @@ class ModelRunner:
         weight-only int8 (drafters only: it changes the outputs slightly); False / "none": plain.
         decode: how decode forwards (extend, extend_trees; never prefill) run: "eager" (shapes as they
         come, the CPU path), "static" (bucketed static shapes over the preallocated cache, run
-        eagerly: the GPU path's logic, testable anywhere) or "graph" (static, each bucket captured
-        as a CUDA graph on first use; CUDA only). See workers/models/static_decode.py.
+        eagerly: the GPU path's logic, testable anywhere), "graph" (static, each bucket captured
+        as a CUDA graph on first use; CUDA only) or "compiled" (static with torch.compile's kernels,
+        captured on CUDA). See workers/models/static_decode.py.
         compile: torch.compile the forward; off by default: on a CPU it compiles for minutes per graph
         and ran slower than eager with packed weights (docs/decisions/cpu-kernels.md).
         """
