@@ -15,7 +15,9 @@ Everything shape-dependent is then computed on the device from a few small stati
 depth, slot, start, the [n, n] mask among the new tokens): RoPE positions, cache write positions and
 the [b, 1, n, kv_len] attention mask. On CUDA each bucket is captured on first use (a warm-up run on
 a side stream, then torch.cuda.graph) and replayed afterwards; `capture=False` runs the same padded
-function eagerly, which is how CPU tests check it token for token against the normal path.
+function eagerly, which is how CPU tests check it token for token against the normal path. With
+`compile=True` (decode=compiled) the padded layers run as torch.compile's fused kernels, inside those
+graphs on CUDA (docs/decisions/compiled-decode.md).
 """
 
 from __future__ import annotations
