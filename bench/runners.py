@@ -208,7 +208,7 @@ def run_transformers(job: dict[str, Any], events: Events) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from specd.configs import load_config
-    from specd.workers.models.runner import resolve_dtype
+    from specd.workers.models.device_settings import resolve_dtype
 
     system = SYSTEMS[job["system"]]
     target = load_config(job.get("overrides", [])).target

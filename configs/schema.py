@@ -33,7 +33,7 @@ class DType(StrEnum):
 
 
 class Decode(StrEnum):
-    """How decode forwards run (workers/models/runner.py DECODE_MODES, plus auto)."""
+    """How decode forwards run (workers/models/device_settings.py DECODE_MODES, plus auto)."""
 
     auto = "auto"
     eager = "eager"

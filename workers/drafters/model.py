@@ -42,8 +42,9 @@ from specd.workers.drafters.base import Drafter, DraftProposal, check_batch
 from specd.workers.drafters.model_tree import TreeDrafting, _is_keyed
 from specd.workers.drafters.registry import register_drafter
 from specd.workers.drafters.versions import META_FILE, held_out_acceptance
+from specd.workers.models.device_settings import resolve_decode, resolve_dtype
 from specd.workers.models.loader import default_cache_dir
-from specd.workers.models.runner import ModelRunner, resolve_decode, resolve_dtype
+from specd.workers.models.runner import ModelRunner
 
 
 def default_drafter_dir(cache_dir: str | Path | None = None, target_hidden: bool = False) -> Path:

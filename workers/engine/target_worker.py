@@ -35,8 +35,9 @@ from specd.workers.engine.gc_freeze import freeze_loaded_objects
 from specd.workers.engine.host_memory import keep_freed_memory
 from specd.workers.engine.profile import profile_verify
 from specd.workers.engine.types import Draft, NewRequest, VerifyResult
+from specd.workers.models.device_settings import resolve_decode, resolve_dtype
 from specd.workers.models.loader import ensure_target_model
-from specd.workers.models.runner import ModelRunner, resolve_decode, resolve_dtype
+from specd.workers.models.runner import ModelRunner
 
 
 @dataclass

@@ -51,8 +51,8 @@ from specd.workers.engine.vllm_link import (
     verify_table,
 )
 from specd.workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
+from specd.workers.models.device_settings import resolve_dtype
 from specd.workers.models.loader import ensure_target_model
-from specd.workers.models.runner import resolve_dtype
 
 SPECULATION_MODES = ("specd", "vllm-ngram", "none")
 

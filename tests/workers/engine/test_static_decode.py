@@ -15,7 +15,8 @@ from specd.workers.engine.draft_worker import DraftWorker
 from specd.workers.engine.spec_engine import SpecEngine
 from specd.workers.engine.target_worker import TargetWorker
 from specd.workers.engine.types import NewRequest, SpecParams
-from specd.workers.models.runner import ModelRunner, resolve_decode, resolve_dtype
+from specd.workers.models.device_settings import resolve_decode, resolve_dtype
+from specd.workers.models.runner import ModelRunner
 from specd.workers.models.static_decode import bucket
 
 PROMPTS = [[5, 9, 13, 2], [7, 7, 7, 7, 7, 7, 30, 31], [40], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [11, 12]]
