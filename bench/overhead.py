@@ -191,6 +191,7 @@ def run_in_process(system: str, batch: int, target, drafters: dict, cfg, steps: 
 
 
 GPU_STEPS = 8
+GPU_TOP_KERNELS = 15
 
 
 def gpu_busy(run, forwards: str, target) -> dict[str, Any]:
@@ -213,12 +214,27 @@ def gpu_busy(run, forwards: str, target) -> dict[str, Any]:
                 steps += 1
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-        busy_us = sum(e.device_time_total for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     except RuntimeError as err:      # a profiler that cannot start (no CUPTI) leaves the row without
         return {"gpu_busy_error": str(err)[:200]}
-    return {"gpu_busy_ms_per_step": round(busy_us / 1000 / max(steps, 1), 4),
-            "gpu_wall_ms_per_step": round(1000 * wall / max(steps, 1), 4), "gpu_steps": steps}
+    steps = max(steps, 1)
+    busy_us = sum(e.device_time_total for e in kernels)
+    return {"gpu_busy_ms_per_step": round(busy_us / 1000 / steps, 4),
+            "gpu_wall_ms_per_step": round(1000 * wall / steps, 4), "gpu_steps": steps,
+            "gpu_kernels": top_kernels(kernels, steps)}
+
+
+def top_kernels(kernels, steps: int, top: int = GPU_TOP_KERNELS) -> list[dict[str, Any]]:
+    """The kernels that take most of a step's GPU time: name, launches and microseconds per step.
+    Which kernels dominate says what to fuse or replace next (GEMMs, attention, elementwise)."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        launches_us = by_name.setdefault(e.name, [0, 0.0])
+        launches_us[0] += 1
+        launches_us[1] += e.device_time_total
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": name[:160], "launches_per_step": round(n / steps, 2),
+             "us_per_step": round(us / steps, 2)} for name, (n, us) in ranked]
 
 
 def build_in_process(cfg, free: bool) -> tuple[Any, dict]:

@@ -20,6 +20,7 @@ PY=${PYTHON:-python3}
 PROMPTS=${SPECD_GPU_PROMPTS:-8}
 TOKENS=${SPECD_GPU_TOKENS:-128}
 RESULTS=bench/results
+TAG=${SPECD_GPU_TAG:-}     # a suffix for this run's result files, when one call runs a phase twice
 
 stage() {
     local dir=${1:?stage DIR}
@@ -141,46 +142,47 @@ run() {
             # compiled transformers baseline.
             b1) phase b1 "$PY" -m specd.cluster.cli bench engine "${common[@]}" --batch-sizes 1 \
                     --systems "${SPECD_GPU_SYSTEMS:-target-only,specd-default,specd-chain,specd-tree,transformers-compiled,vllm}" \
-                    --json "$RESULTS/gpu-engine-b1.json" "${cuda[@]}" ;;
+                    --json "$RESULTS/gpu-engine-b1$TAG.json" "${cuda[@]}" ;;
             # Batch 8: every system against target-only in the same run.
             b8) phase b8 "$PY" -m specd.cluster.cli bench engine "${common[@]}" --batch-sizes 8 \
                     --systems "${SPECD_GPU_SYSTEMS:-target-only,specd-default,specd-chain,specd-tree,specd-hybrid,specd-ngram,transformers-compiled}" \
-                    --json "$RESULTS/gpu-engine-b8.json" "${cuda[@]}" ;;
+                    --json "$RESULTS/gpu-engine-b8$TAG.json" "${cuda[@]}" ;;
             # b1 and b8 again with decode=compiled (torch.compile's kernels inside the CUDA graphs), each
             # phase bounded by SPECD_GPU_COMPILE_LIMIT seconds: its compile time is in the rows' warmup_s.
             b1c|b8c) local b=${ph:1:1}
                 phase "$ph" timeout "${SPECD_GPU_COMPILE_LIMIT:-240}" "$PY" -m specd.cluster.cli bench engine \
                     "${common[@]}" --batch-sizes "$b" \
                     --systems "${SPECD_GPU_COMPILED_SYSTEMS:-target-only,specd-default,specd-chain}" \
-                    --json "$RESULTS/gpu-engine-b$b-compiled.json" "${cuda[@]}" target.decode=compiled \
+                    --json "$RESULTS/gpu-engine-b$b-compiled$TAG.json" "${cuda[@]}" target.decode=compiled \
                     drafter.decode=compiled ;;
             # float32 (greedy agreement with target-only is bit-exact only there), fewer prompts.
             f32) phase f32 "$PY" -m specd.cluster.cli bench engine --workloads gsm8k --temperatures 0 \
                     --num-prompts "${SPECD_GPU_F32_PROMPTS:-4}" --max-new-tokens "${SPECD_GPU_F32_TOKENS:-64}" --batch-sizes 1,8 \
                     --systems target-only,specd-default,specd-chain,specd-tree \
-                    --json "$RESULTS/gpu-engine-f32.json" "${cuda[@]}" target.dtype=float32 drafter.dtype=float32 ;;
+                    --json "$RESULTS/gpu-engine-f32$TAG.json" "${cuda[@]}" target.dtype=float32 drafter.dtype=float32 ;;
             # Host time per step (free forwards, and the real model beside them), then a cProfile of the
             # real cells in a run of their own, summarised as text.
             overhead) phase overhead "$PY" -m specd.cluster.cli bench overhead --where in-process \
-                    --batch-sizes 1,8,16 --real --json "$RESULTS/gpu-overhead.json" "${cuda[@]}"
+                    --batch-sizes "${SPECD_GPU_OVERHEAD_BATCHES:-1,8,16}" --real \
+                    --systems "${SPECD_GPU_OVERHEAD_SYSTEMS:-target-only,chain,tree,default}" --json "$RESULTS/gpu-overhead$TAG.json" "${cuda[@]}"
                 phase profile "$PY" -m specd.cluster.cli bench overhead --where in-process --steps 40 \
                     --systems target-only,chain,default --batch-sizes 1,8 --real --profile /tmp/specd-prof "${cuda[@]}"
-                "$PY" scripts/pstats_summary.py /tmp/specd-prof > "$RESULTS/gpu-profile.txt" || true ;;
+                "$PY" scripts/pstats_summary.py /tmp/specd-prof > "$RESULTS/gpu-profile$TAG.txt" || true ;;
             # Host time per step through the router's scheduler with Ray actors (free forwards; needs the
             # Ray pieces), with plain actor calls and with compiled graphs (ray.compiled_calls).
             router) phase router "$PY" -m specd.cluster.cli bench overhead --where router \
                     --systems target-only,chain,default --batch-sizes 1,8 --steps 100 \
-                    --json "$RESULTS/gpu-overhead-router.json" "${cuda[@]}"
+                    --json "$RESULTS/gpu-overhead-router$TAG.json" "${cuda[@]}"
                 phase router-compiled "$PY" -m specd.cluster.cli bench overhead --where router \
                     --systems target-only,chain,default --batch-sizes 1,8 --steps 100 \
-                    --json "$RESULTS/gpu-overhead-router-compiled.json" "${cuda[@]}" ray.compiled_calls=true ;;
+                    --json "$RESULTS/gpu-overhead-router-compiled$TAG.json" "${cuda[@]}" ray.compiled_calls=true ;;
             # The default against target-only at every batch size of issue 16's grid.
             grid) phase grid "$PY" -m specd.cluster.cli bench engine --workloads gsm8k,humaneval --temperatures 0,0.7 \
                     --num-prompts 16 --max-new-tokens "$TOKENS" --batch-sizes 1,4,8,16 \
-                    --systems target-only,specd-default --json "$RESULTS/gpu-engine-grid.json" "${cuda[@]}" ;;
+                    --systems target-only,specd-default --json "$RESULTS/gpu-engine-grid$TAG.json" "${cuda[@]}" ;;
             # The served path: router, Ray actors, pipelined groups; drafter and target share the one
             # GPU. No redis-server on the GPU machine: online training stays off for this figure.
-            serve) phase serve "$PY" -m specd.cluster.cli bench serve --quick --json "$RESULTS/gpu-serve.json" \
+            serve) phase serve "$PY" -m specd.cluster.cli bench serve --quick --json "$RESULTS/gpu-serve$TAG.json" \
                     "${cuda[@]}" replay.enabled=false trainer.enabled=false ;;
             *) echo "unknown phase $ph" ;;
         esac

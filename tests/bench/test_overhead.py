@@ -90,6 +90,17 @@ def test_gpu_busy_profiles_only_real_forwards_on_cuda():
     assert overhead.gpu_busy(Run(), "free", Target()) == {}
 
 
+def test_top_kernels_rank_kernels_by_time_per_step():
+    """Per step over the profiled steps, the costliest first, at most `top` of them."""
+    from types import SimpleNamespace as K
+
+    kernels = ([K(name="gemv", device_time_total=3.0)] * 4 + [K(name="sdpa", device_time_total=10.0)] * 2
+               + [K(name="fused_rms", device_time_total=1.0)] * 2)
+    assert overhead.top_kernels(kernels, steps=2, top=2) == [
+        {"name": "sdpa", "launches_per_step": 1.0, "us_per_step": 10.0},
+        {"name": "gemv", "launches_per_step": 2.0, "us_per_step": 6.0}]
+
+
 @pytest.mark.slow     # starts Ray actors
 def test_router_cells_run_through_ray_actors(tmp_path):
     pytest.importorskip("ray")
