@@ -265,7 +265,10 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
     from specd.configs import load_config
 
     max_batch = max(args.batch_sizes)
-    cfg = load_config(base_overrides(target_dir, drafter_dir, max_batch, free) + list(args.overrides))
+    overrides = base_overrides(target_dir, drafter_dir, max_batch, free) + list(args.overrides)
+    if free:    # the stand-ins' paths win over a user's model paths, which are meant for the real cells
+        overrides += [f"target.model_path={target_dir}", f"drafter.path={drafter_dir}"]
+    cfg = load_config(overrides)
     if free:
         uncaptured(cfg)
     if not free:

@@ -54,9 +54,11 @@ def test_the_static_decode_path_runs_on_free_forwards(tmp_path):
     """decode=static (the GPU path's logic, uncaptured): the static decoder's padded forward is free too,
     and a chain still emits every drafted token and a bonus."""
     out = tmp_path / "static.json"
+    # drafter.path names the real cells' drafter (one whose reduced head lacks the stand-ins' token):
+    # the free cells keep their stand-in
     rc = overhead.main(["--where", "in-process", "--systems", "target-only,chain", "--batch-sizes", "2",
                         "--steps", "3", "--warmup", "1", "--json", str(out),
-                        "target.decode=static", "drafter.decode=static"])
+                        "target.decode=static", "drafter.decode=static", f"drafter.path={tmp_path / 'none'}"])
     assert rc == 0
     by = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     assert by["chain"]["tokens_per_step"] == 8 and by["target-only"]["tokens_per_step"] == 2
