@@ -165,9 +165,11 @@ run() {
             overhead) phase overhead "$PY" -m specd.cluster.cli bench overhead --where in-process \
                     --batch-sizes "${SPECD_GPU_OVERHEAD_BATCHES:-1,8,16}" --real \
                     --systems "${SPECD_GPU_OVERHEAD_SYSTEMS:-target-only,chain,tree,default}" --json "$RESULTS/gpu-overhead$TAG.json" "${cuda[@]}"
+                # SPECD_GPU_CPROFILE=0 leaves the cProfile run out
+                [ "${SPECD_GPU_CPROFILE:-1}" = 0 ] || {
                 phase profile "$PY" -m specd.cluster.cli bench overhead --where in-process --steps 40 \
                     --systems target-only,chain,default --batch-sizes 1,8 --real --profile /tmp/specd-prof "${cuda[@]}"
-                "$PY" scripts/pstats_summary.py /tmp/specd-prof > "$RESULTS/gpu-profile$TAG.txt" || true ;;
+                "$PY" scripts/pstats_summary.py /tmp/specd-prof > "$RESULTS/gpu-profile$TAG.txt" || true; } ;;
             # Host time per step through the router's scheduler with Ray actors (free forwards; needs the
             # Ray pieces), with plain actor calls and with compiled graphs (ray.compiled_calls).
             router) phase router "$PY" -m specd.cluster.cli bench overhead --where router \

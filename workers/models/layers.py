@@ -242,6 +242,40 @@ class RowGroup:
         return flat if self.dest is None else flat.index_select(0, self.dest)
 
 
+def attention(
+    q: torch.Tensor,       # [b, heads, n, d]
+    keys: torch.Tensor,    # [b, kv_heads, L, d]
+    values: torch.Tensor,  # [b, kv_heads, L, d]
+    mask: torch.Tensor | None,  # [b, 1, n, L] bool, True = attend; None: attend to all L
+    scale: float | None,
+) -> torch.Tensor:  # [b, heads, n, d]
+    """SDPA with grouped-query heads. On CUDA the query heads that share a KV head are folded into
+    that head's query rows (`fold_gqa`): with a mask, SDPA's enable_gqa has only its math path there
+    (a dozen small kernels and float32 copies of q, k and v per layer in the H200 profile), while
+    the folded form runs in one memory-efficient attention kernel. On the CPU enable_gqa's kernel
+    is the faster one (docs/decisions/gqa-fold.md)."""
+    if q.device.type == "cuda":
+        return fold_gqa(q, keys, values, mask, scale)
+    return F.scaled_dot_product_attention(q, keys, values, mask, enable_gqa=True, scale=scale)
+
+
+def fold_gqa(q, keys, values, mask, scale) -> torch.Tensor:
+    """`attention` without repeating keys and values: KV head j serves query heads j*g..j*g+g-1
+    (g = heads / kv_heads, enable_gqa's order), which become its g*n query rows, row i*n + t being
+    head j*g+i's token t; each row keeps its token's mask row. Shapes as `attention`."""
+    b, heads, n, d = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    if group == 1:
+        return F.scaled_dot_product_attention(q, keys, values, mask, scale=scale)
+    rows = q.reshape(b, kv_heads, group * n, d)
+    if mask is not None:
+        width = mask.shape[-1]
+        mask = mask[:, :, None].expand(b, 1, group, n, width).reshape(b, 1, group * n, width)
+    out = F.scaled_dot_product_attention(rows, keys, values, mask, scale=scale)  # [b, kv_heads, g*n, d]
+    return out.reshape(b, heads, n, d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -288,8 +322,7 @@ class Attention(nn.Module):
             keys, values = cache.read(layer, plan.slots[first:end], kv_len)  # [rows, kv_heads, L, d]
             run_mask = None if mask is None else mask[first:end, :, :, :kv_len]
             run_q = q[first:end]  # [rows, heads, n, d]
-            outs.append(F.scaled_dot_product_attention(run_q, keys, values, run_mask, enable_gqa=True,
-                                                       scale=self.scale))
+            outs.append(attention(run_q, keys, values, run_mask, self.scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [b, heads, n, d]
         b, _, n, _ = out.shape
         return out.transpose(1, 2).reshape(b, n, self.q_size)

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specd.workers.core.kv_cache import KVCache
-from specd.workers.models.layers import window_mask
+from specd.workers.models.layers import attention, window_mask
 from specd.workers.models.llama import Llama
 
 MIN_KV = 128
@@ -306,8 +305,7 @@ class StaticDecoder:
             cache.v[layer][write_slot, :, write_pos] = v.transpose(1, 2)
             keys = cache.k[layer, :, :, :kv_len].index_select(0, slots)  # [bb, kv_heads, kv_len, d]
             values = cache.v[layer, :, :, :kv_len].index_select(0, slots)
-            out = F.scaled_dot_product_attention(q, keys, values, masks[attn.sliding], enable_gqa=True,
-                                                 scale=attn.scale)
+            out = attention(q, keys, values, masks[attn.sliding], attn.scale)
             x = block.add_mlp(block.add_attention(x, attn.project(out)))
         return model.norm(x)
 

@@ -45,7 +45,13 @@ def compiled_workers(tiny_target_dir, tiny_drafter_dir):
     return target, DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
 
 
-def test_compiled_runner_keeps_plain_weights_and_compiles_the_layers(tiny_target_dir) -> None:
+@pytest.mark.parametrize("fold", [False, True], ids=["cpu-attention", "cuda-attention"])
+def test_compiled_runner_keeps_plain_weights_and_compiles_the_layers(tiny_target_dir, fold,
+                                                                    monkeypatch) -> None:
+    if fold:    # the attention CUDA compiles (query heads folded per KV head), here on the CPU
+        from specd.workers.models import layers, static_decode
+
+        monkeypatch.setattr(static_decode, "attention", layers.fold_gqa)
     runner = ModelRunner(tiny_target_dir, max_slots=2, max_seq_len=64, decode="compiled")
     assert runner.model.packed == "none"            # inductor cannot trace oneDNN's packed weights
     assert runner.static is not None and not runner.static.capture   # no CUDA graphs on a CPU
@@ -57,6 +63,7 @@ def test_compiled_runner_keeps_plain_weights_and_compiles_the_layers(tiny_target
         r.prefill(slots, [[5, 6, 7], [8, 9]])
         outs.append(torch.cat([r.extend(slots, [[1, 2, 3], [4]]), r.extend(slots, [[6], [7]])], dim=1))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    assert runner.static._compiled is not None     # compiled, not fallen back to the plain layers
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,13 @@ def test_buckets_and_auto_settings() -> None:
         resolve_dtype("float8", "cpu")
 
 
-def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_target_dir) -> None:
+@pytest.mark.parametrize("fold", [False, True], ids=["cpu-attention", "cuda-attention"])
+def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_target_dir, fold,
+                                                                          monkeypatch) -> None:
+    if fold:    # the attention CUDA runs (query heads folded per KV head), here on the CPU
+        from specd.workers.models import layers, static_decode
+
+        monkeypatch.setattr(static_decode, "attention", layers.fold_gqa)
     eager = ModelRunner(tiny_target_dir, max_slots=3, max_seq_len=64)
     static = ModelRunner(tiny_target_dir, max_slots=3, max_seq_len=64, decode="static")
     assert static.cache.scratch == 3 and static.cache.k.shape[1] == 4
