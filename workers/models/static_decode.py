@@ -102,7 +102,8 @@ class StaticDecoder:
         bb = bucket(b, bucket(self.cache.num_slots))
         kv = bucket(max(max(starts) + n, MIN_KV), bucket(self.cache.max_seq_len))
         kv = min(kv, self.cache.max_seq_len)
-        key = (bb, nb, kv, full_vocab, return_hidden, features is not None)
+        leading = _leading(slots, bb)
+        key = (bb, nb, kv, full_vocab, return_hidden, features is not None, leading)
         graph = self.graphs.get(key)
         if graph is None:
             inputs = self._buffers(bb, nb, features is not None)
@@ -113,11 +114,11 @@ class StaticDecoder:
             outputs = graph.outputs
         elif self.capture:
             graph.graph, graph.outputs = self._capture(
-                lambda: self._run(graph.inputs, kv, full_vocab, return_hidden))
+                lambda: self._run(graph.inputs, kv, full_vocab, return_hidden, leading))
             graph.graph.replay()
             outputs = graph.outputs
         else:
-            outputs = self._run(graph.inputs, kv, full_vocab, return_hidden)
+            outputs = self._run(graph.inputs, kv, full_vocab, return_hidden, leading)
         logits = outputs[0][:b, :n].clone()
         hidden = outputs[1][:b, :n].clone() if return_hidden else None
         return logits, hidden
@@ -144,7 +145,8 @@ class StaticDecoder:
         bb = bucket(b, bucket(self.cache.num_slots))
         kv = min(bucket(max(max(starts) + n + steps - 1, MIN_KV), bucket(self.cache.max_seq_len)),
                  self.cache.max_seq_len)
-        key = ("chain", bb, nb, kv, steps, features is not None)
+        leading = _leading(slots, bb)
+        key = ("chain", bb, nb, kv, steps, features is not None, leading)
         graph = self.graphs.get(key)
         if graph is None:
             inputs = self._buffers(bb, nb, features is not None)
@@ -154,7 +156,8 @@ class StaticDecoder:
         self._fill(graph, ids, depth, causal, slots, starts, features, staleness, counts)
         if graph.graph is None and self.capture:
             try:
-                graph.graph, graph.outputs = self._capture(lambda: self._run_chain(graph.inputs, kv, steps))
+                graph.graph, graph.outputs = self._capture(
+                    lambda: self._run_chain(graph.inputs, kv, steps, leading))
             except RuntimeError as err:     # not measured on a GPU yet: drafting token by token still works
                 log.warning("capturing a drafter chain failed (%s); drafting token by token from now on", err)
                 self.chains = False
@@ -164,7 +167,7 @@ class StaticDecoder:
             graph.graph.replay()
             drafted = graph.outputs[0]
         else:
-            drafted = self._run_chain(graph.inputs, kv, steps)[0]
+            drafted = self._run_chain(graph.inputs, kv, steps, leading)[0]
         return drafted[:b].tolist()
 
     # ---- static buffers ---------------------------------------------------------------------------
@@ -253,11 +256,12 @@ class StaticDecoder:
 
     # ---- the forward ------------------------------------------------------------------------------
 
-    def _run(self, bufs, kv_len: int, full_vocab: bool, return_hidden: bool) -> tuple[torch.Tensor, ...]:
+    def _run(self, bufs, kv_len: int, full_vocab: bool, return_hidden: bool,
+             leading: bool) -> tuple[torch.Tensor, ...]:
         """The padded forward, shapes fixed by the buffers and kv_len: what a CUDA graph captures."""
         hidden = self.layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
                              bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
-                             bufs.get("staleness"), kv_len)
+                             bufs.get("staleness"), kv_len, leading)
         logits = self.model._head(hidden, full_vocab)
         return (logits, hidden) if return_hidden else (logits,)
 
@@ -287,6 +291,7 @@ class StaticDecoder:
         features: torch.Tensor | None,   # [bb, nb, hidden]
         staleness: torch.Tensor | None,  # [bb, nb] long
         kv_len: int,
+        leading: bool,             # the rows are slots 0..bb-1 in order (_leading)
     ) -> torch.Tensor:  # [bb, nb, hidden], normed
         model, cache = self.model, self.cache
         # Padded tokens may run past the table; their outputs are never read.
@@ -303,13 +308,17 @@ class StaticDecoder:
             # Advanced indices around a slice put the indexed dims first: [bb, nb, kv_heads, d].
             cache.k[layer][write_slot, :, write_pos] = k.transpose(1, 2)
             cache.v[layer][write_slot, :, write_pos] = v.transpose(1, 2)
-            keys = cache.k[layer, :, :, :kv_len].index_select(0, slots)  # [bb, kv_heads, kv_len, d]
-            values = cache.v[layer, :, :, :kv_len].index_select(0, slots)
+            if leading:     # a view of the cache's first rows: no copy
+                rows = ids.shape[0]
+                keys, values = cache.k[layer, :rows, :, :kv_len], cache.v[layer, :rows, :, :kv_len]
+            else:
+                keys = cache.k[layer, :, :, :kv_len].index_select(0, slots)  # [bb, kv_heads, kv_len, d]
+                values = cache.v[layer, :, :, :kv_len].index_select(0, slots)
             out = attention(q, keys, values, masks[attn.sliding], attn.scale)
             x = block.add_mlp(block.add_attention(x, attn.project(out)))
         return model.norm(x)
 
-    def _run_chain(self, bufs, kv_len: int, steps: int) -> tuple[torch.Tensor]:
+    def _run_chain(self, bufs, kv_len: int, steps: int, leading: bool) -> tuple[torch.Tensor]:
         """A greedy drafter's whole chain: the feed's forward drafts token 1, then `steps` - 1 one-token
         forwards each feed the token before and draft the next, the argmax and its target id taken on the
         device. -> ([bb, steps] target ids,). As the per-token path: draft k goes in at start + count + k - 1
@@ -319,7 +328,7 @@ class StaticDecoder:
         last = bufs["last"]                                        # [bb] each row's newest feed token
         hidden = self.layers(bufs["ids"], bufs["depth"], bufs["tree"].bool(), bufs["slots"], bufs["starts"],
                              bufs["write_slot"], bufs["write_pos"], bufs.get("features"),
-                             bufs.get("staleness"), kv_len)
+                             bufs.get("staleness"), kv_len, leading)
         token = self._argmax_ids(hidden[rows, last][:, None])     # [bb, 1]
         drafted = [token]
         root = None if "features" not in bufs else bufs["features"][rows, last][:, None]   # [bb, 1, hidden]
@@ -331,7 +340,7 @@ class StaticDecoder:
             start = after_feed + (k - 1)                           # [bb]; padded rows: scratch positions
             stale = None if root is None else torch.full((bb, 1), k, dtype=torch.long, device=self.device)
             hidden = self.layers(token, depth, sees_itself, slots, start, slots[:, None], start[:, None],
-                                 root, stale, kv_len)
+                                 root, stale, kv_len, leading)
             token = self._argmax_ids(hidden)
             drafted.append(token)
         return (torch.cat(drafted, dim=1),)
@@ -355,6 +364,14 @@ class StaticDecoder:
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = run()
         return graph, outputs
+
+
+def _leading(slots, bb: int) -> bool:
+    """Whether a bucket's rows are the cache's first slots in order, none padded (the allocator hands
+    out the lowest free slot, so a steady batch usually is). Attention then reads the rows' keys and
+    values as a view of the cache; otherwise it gathers them, two copies per layer (on the H200 12% of a
+    compiled step's kernel time at batch 1, docs/gpus.md). Each case is a bucket of its own."""
+    return len(slots) == bb and all(int(s) == i for i, s in enumerate(slots))
 
 
 def _attention_mask(

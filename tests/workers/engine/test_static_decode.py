@@ -50,15 +50,20 @@ def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_t
         chain = chain.clone()
         chain[1, 1:] = 0   # padding: garbage in general, zeros from the eager ragged forward
         tree = runner.extend_trees([slots[1]], [[1, 2, 3, 4]], [[-1, 0, 0, 1]])
+        # rows in slots 0 and 1, in order: attention reads a view of the cache, no gather
+        leading = runner.extend([slots[0], slots[1]], [[2], [3]])
         # a row reaching max_seq_len exactly: the bucket's padding must not write past it (positions
         # 6..60 hold zeros in both caches)
         runner.cache.lengths[slots[1]] = 61
         last = runner.extend([slots[1]], [[4, 5, 6]])
-        outs.append((chain, tree, last, runner.cache.lengths[:3].clone()))
+        outs.append((chain, tree, leading, last, runner.cache.lengths[:3].clone()))
     for a, b in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    # one static bucket per (batch, tokens, attended length, outputs): the tree and the last chain share one
-    assert set(static.static.graphs) == {(2, 4, 64, True, False, False), (1, 4, 64, True, False, False)}
+    # one static bucket per (batch, tokens, attended length, outputs, leading rows): the tree and the last
+    # chain share one
+    assert set(static.static.graphs) == {(2, 4, 64, True, False, False, False),
+                                         (1, 4, 64, True, False, False, False),
+                                         (2, 1, 64, True, False, False, True)}
 
 
 def test_inputs_are_padded_into_one_packed_buffer(tiny_target_dir) -> None:
