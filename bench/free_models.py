@@ -143,12 +143,12 @@ def free_runner(runner) -> FreeForward:
         raise ValueError("free forwards cannot be captured as CUDA graphs: run with decode=eager or static")
     forward = runner._forward = FreeForward(runner.model)
     if runner.static is not None:
-        def run(bufs, kv_len, full_vocab, return_hidden):   # [bb, nb, vocab] (and [bb, nb, hidden])
+        def run(bufs, kv_len, full_vocab, return_hidden, leading):   # [bb, nb, vocab] (and [bb, nb, hidden])
             forward.calls += 1
             bb, nb = bufs["ids"].shape
             logits = forward._row(full_vocab).expand(bb, nb, -1)
             return (logits, forward._hidden.expand(bb, nb, -1)) if return_hidden else (logits,)
-        def run_chain(bufs, kv_len, steps):   # [bb, steps] target ids: what the stand-ins' logits pick
+        def run_chain(bufs, kv_len, steps, leading):   # [bb, steps] target ids: the stand-ins' pick
             forward.calls += 1
             bb = bufs["ids"].shape[0]
             return (torch.full((bb, steps), TOKEN, dtype=torch.long, device=bufs["ids"].device),)
