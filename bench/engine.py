@@ -252,10 +252,11 @@ def run_child(job: dict[str, Any], workdir: Path, on_event) -> dict[str, Any]:
 
 
 def run_all(
-    jobs: dict[str, dict], plan: Plan, workdir: Path, console, rounds: int = 1
+    jobs: dict[str, dict], plan: Plan, workdir: Path, console, rounds: int = 1, after_each=None
 ) -> dict[str, list[dict]]:
     """Every system's child, in turn; with rounds > 1 the whole sequence again in fresh processes
-    (A B A B ...), so each system is measured in several processes spread over the run."""
+    (A B A B ...), so each system is measured in several processes spread over the run. after_each(results)
+    is called after every child, with what has been measured so far."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     num_cells = len(plan.workloads) * len(plan.batch_sizes) * len(plan.temperatures)
@@ -289,6 +290,8 @@ def run_all(
                 results[name].append(run_child(job, folder, on_event))
                 # A failed child (or one that generated fewer tokens) must not leave the bar short.
                 progress.update(task, completed=done_before + per_system)
+                if after_each is not None:
+                    after_each(results)
     return results
 
 
@@ -394,7 +397,15 @@ def run_bench(args: argparse.Namespace) -> int:
         console.print("[bold]--quick[/] reduced the run: " + "; ".join(plan.reductions))
     workdir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="specd-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    results = run_all(jobs, plan, workdir, console, rounds=args.rounds)
+    def checkpoint(results: dict[str, list[dict]]) -> None:
+        """The rows measured so far, written after each child: a run cut off (a time limit on a lent GPU)
+        keeps them. The finished run's write replaces the file."""
+        rows, _ = collect_rows({name: runs for name, runs in results.items() if runs}, plan)
+        if args.json and rows:
+            write_json(args.json, rows, {**meta, "overrides": list(args.overrides),
+                                         "partial": "written after each system; the run had not finished"})
+
+    results = run_all(jobs, plan, workdir, console, rounds=args.rounds, after_each=checkpoint)
     failed = {name: r["error"] for name, runs in results.items() for r in runs if not r.get("ok")}
     for name, error in failed.items():
         console.print(f"[red]{name} failed[/]: {error}")

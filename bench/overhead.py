@@ -338,6 +338,8 @@ def write_overhead_plot(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def run_bench(args: argparse.Namespace) -> int:
     from specd.bench.free_models import write_stand_ins
+    from specd.bench.systems import device_info
+    from specd.configs import load_config
 
     for name in args.systems:
         if name not in SYSTEMS:
@@ -351,6 +353,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average_start": load_average(),
         "note": "medians over steps; forwards free (stand-ins answer at once) unless forwards=real",
+        "device": device_info(load_config(list(args.overrides)).target.device),
     }
     rows: list[dict[str, Any]] = []
     try:

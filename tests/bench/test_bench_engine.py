@@ -184,6 +184,25 @@ def test_mixed_lengths_give_each_request_its_own_length_in_every_system(tmp_path
     assert ngram["greedy_agreement_vs_target_only"] == 1.0 and ngram["speedup_vs_target_only_paired"] > 0
 
 
+def test_every_child_is_followed_by_a_checkpoint_of_what_was_measured(monkeypatch, tmp_path):
+    """run_all hands over the results after each child, so `main` can write the rows measured so far: a
+    run cut off by a time limit keeps its finished systems."""
+    from rich.console import Console
+
+    from specd.bench import engine
+
+    monkeypatch.setattr(engine, "run_child", lambda job, folder, on_event: {"ok": True, "job": job["n"]})
+    plan = resolve_plan(parse(["--systems", "target-only,specd-chain", "--workloads", "gsm8k",
+                               "--batch-sizes", "1", "--temperatures", "0"]))
+    jobs = {"target-only": {"n": 0}, "specd-chain": {"n": 1}}
+    seen = []
+    with open(os.devnull, "w") as quiet:
+        engine.run_all(jobs, plan, tmp_path, Console(file=quiet), rounds=2,
+                       after_each=lambda r: seen.append({k: [x["job"] for x in v] for k, v in r.items()}))
+    assert seen == [{"target-only": [0], "specd-chain": []}, {"target-only": [0], "specd-chain": [1]},
+                    {"target-only": [0, 0], "specd-chain": [1]}, {"target-only": [0, 0], "specd-chain": [1, 1]}]
+
+
 def test_continuous_pairing_by_group_is_refused():
     with pytest.raises(SystemExit, match="--lockstep"):
         run_bench(parse(["--continuous", "--paired", "--systems", "target-only"]))

@@ -45,6 +45,7 @@ def test_in_process_cells_report_every_system(tmp_path):
     assert by[("target-only", 1)]["phases_ms"]["propose"] == 0
     assert by[("chain", 1)]["phases_ms"]["plan"] > 0 and by[("target-only", 1)]["phases_ms"]["plan"] == 0
     assert len(data["meta"]["load_average_start"]) == 3
+    assert data["meta"]["device"] == {"device": "cpu"}       # on CUDA the GPU's name too
     assert (tmp_path / "overhead.png").stat().st_size > 0
     # the GPU's busy time is profiled on CUDA with the real model only: no such keys here
     assert not any(key.startswith("gpu_") for row in rows for key in row)
