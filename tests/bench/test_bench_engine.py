@@ -200,7 +200,8 @@ def test_every_child_is_followed_by_a_checkpoint_of_what_was_measured(monkeypatc
         engine.run_all(jobs, plan, tmp_path, Console(file=quiet), rounds=2,
                        after_each=lambda r: seen.append({k: [x["job"] for x in v] for k, v in r.items()}))
     assert seen == [{"target-only": [0], "specd-chain": []}, {"target-only": [0], "specd-chain": [1]},
-                    {"target-only": [0, 0], "specd-chain": [1]}, {"target-only": [0, 0], "specd-chain": [1, 1]}]
+                    {"target-only": [0, 0], "specd-chain": [1]},
+                    {"target-only": [0, 0], "specd-chain": [1, 1]}]
 
 
 def test_continuous_pairing_by_group_is_refused():
