@@ -13,7 +13,8 @@ Kinds (extra `key=value` words filter rows): engine-grid (the paired ratio of ev
 specd system per workload x temperature row and batch column), engine-systems (one row per system
 and cell: tok/s, α, tokens per step, ratios), serve (`specd bench serve` phases), osd (`specd bench
 osd` held-out acceptance), osd-arms (`specd bench osd --arms`), soak (`specd bench soak`), overhead
-(`specd bench overhead`: host ms per step and its phases), serve-vllm (`specd bench serve --vllm`),
+(`specd bench overhead`: host ms per step and its phases), overhead-gpu and gpu-kernels (its real
+cells on CUDA: GPU busy time, and the kernels that took it), serve-vllm (`specd bench serve --vllm`),
 step-trace (`scripts/step_trace.py --json`: served steps by what they drafted).
 tests/test_docs.py runs --check's logic.
 """
@@ -235,16 +236,54 @@ def overhead(root: Path, files: list[str], where: dict[str, str]) -> str:
 
 def overhead_gpu(root: Path, files: list[str], where: dict[str, str]) -> str:
     """The real-model cells of `specd bench overhead` on CUDA: the step's wall time beside the GPU's busy
-    time (the kernels' own times, profiled over a few more steps)."""
-    lines = ["| system | batch | wall ms/step | GPU busy ms/step | GPU busy share | tokens/step |",
-             "|---|---|---|---|---|---|"]
+    time (the kernels' own times, profiled over a few more steps). Several files: a first column names
+    each one's run (its name without `gpu-overhead-` and the date)."""
+    runs = len(files) > 1
+    lines = [("| run " if runs else "")
+             + "| system | batch | wall ms/step | GPU busy ms/step | GPU busy share | tokens/step |",
+             ("|---" if runs else "") + "|---|---|---|---|---|---|"]
     for name in files:
+        label = re.sub(r"^gpu-overhead-?|-?\d{4}-\d{2}-\d{2}[a-z]?$", "", Path(name).stem) or "-"
         for r in _load(root, name)["rows"]:
             if "gpu_busy_ms_per_step" not in r or not _keep(r, where):
                 continue
             busy, wall = r["gpu_busy_ms_per_step"], r["wall_ms_per_step"]
-            lines.append(f"| {r['system']} | {r['batch']} | {wall:.2f} | {busy:.2f} | {busy / wall:.0%} | "
-                         f"{r['tokens_per_step']:.2f} |")
+            lines.append((f"| {label} " if runs else "") + f"| {r['system']} | {r['batch']} | {wall:.2f} | "
+                         f"{busy:.2f} | {busy / wall:.0%} | {r['tokens_per_step']:.2f} |")
+    return "\n".join(lines)
+
+
+# Template arguments that name what an ATen kernel computes (a functor, an op), and wrappers around them.
+WHAT = re.compile(r"\w*(?:_cuda|_impl|Functor\w*|Ops)\b")
+WRAPPERS = {"gpu_kernel_impl", "gpu_kernel_impl_nocast", "AUnaryFunctor", "BinaryFunctor"}
+
+
+def kernel_name(name: str) -> str:
+    """A CUDA kernel's name without return type and namespaces, with the template argument that says
+    what it computes (`unrolled_elementwise_kernel<direct_copy_kernel_cuda>`) where it has one."""
+    name = re.sub(r"^(void|std::enable_if<[^>]*>::type)\s+", "", name)
+    name = re.sub(r"at::native::|at::cuda::detail::|\(anonymous namespace\)::|c10::|\binternal::", "", name)
+    if "(" in name and name.index("(") < name.find("<") or "<" not in name:
+        return name.split("(", 1)[0]
+    base, _, rest = name.partition("<")
+    words = [w for w in WHAT.findall(rest) if w not in WRAPPERS]
+    return f"{base}<{words[0]}>" if words else base
+
+
+def gpu_kernels(root: Path, files: list[str], where: dict[str, str]) -> str:
+    """The kernels that took most of a step's GPU time in the real-model cells of `specd bench overhead`
+    on CUDA (their launches and microseconds per step), one block of rows per cell."""
+    lines = ["| system | batch | kernel | launches/step | µs/step | share of busy |",
+             "|---|---|---|---|---|---|"]
+    for name in files:
+        for r in _load(root, name)["rows"]:
+            if "gpu_kernels" not in r or not _keep(r, where):
+                continue
+            busy_us = 1000 * r["gpu_busy_ms_per_step"]
+            for k in r["gpu_kernels"]:
+                lines.append(f"| {r['system']} | {r['batch']} | `{kernel_name(k['name'])}` | "
+                             f"{k['launches_per_step']:g} | {k['us_per_step']:.0f} | "
+                             f"{k['us_per_step'] / busy_us:.0%} |")
     return "\n".join(lines)
 
 
@@ -358,8 +397,8 @@ def chat(root: Path, files: list[str], where: dict[str, str]) -> str:
 
 KINDS = {"engine-grid": engine_grid, "engine-systems": engine_systems, "serve": serve, "osd": osd,
          "osd-arms": osd_arms, "soak": soak, "overhead": overhead, "overhead-ab": overhead_ab,
-         "overhead-gpu": overhead_gpu, "overhead-targets": overhead_targets, "serve-vllm": serve_vllm,
-         "step-trace": step_trace, "chat": chat}
+         "overhead-gpu": overhead_gpu, "gpu-kernels": gpu_kernels, "overhead-targets": overhead_targets,
+         "serve-vllm": serve_vllm, "step-trace": step_trace, "chat": chat}
 
 
 def sources(spec: str) -> list[str]:
