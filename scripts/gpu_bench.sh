@@ -149,6 +149,8 @@ run() {
                     --json "$RESULTS/gpu-engine-b8$TAG.json" "${cuda[@]}" ;;
             # b1 and b8 again with decode=compiled (torch.compile's kernels inside the CUDA graphs), each
             # phase bounded by SPECD_GPU_COMPILE_LIMIT seconds: its compile time is in the rows' warmup_s.
+            # On the H200 each system's process took 40-75 s with its compile: allow ~80 s per system
+            # (a 130 s limit for three systems lost both phases once; the JSON is now written per system).
             b1c|b8c) local b=${ph:1:1}
                 phase "$ph" timeout "${SPECD_GPU_COMPILE_LIMIT:-240}" "$PY" -m specd.cluster.cli bench engine \
                     "${common[@]}" --batch-sizes "$b" \
