@@ -105,10 +105,14 @@ class StaticDecoder:
         leading = _leading(slots, bb)
         key = (bb, nb, kv, full_vocab, return_hidden, features is not None, leading)
         graph = self.graphs.get(key)
-        if graph is None:
+        fresh = graph is None
+        if fresh:
             inputs = self._buffers(bb, nb, features is not None)
             graph = self.graphs[key] = _Graph(inputs, (), None, self._staged(inputs["host"], bb, nb))
         self._fill(graph, ids, depth, tree, slots, starts, features, staleness)
+        if fresh:
+            self._compile_both(
+                leading, bb, lambda lead: self._run(graph.inputs, kv, full_vocab, return_hidden, lead))
         if graph.graph is not None:
             graph.graph.replay()
             outputs = graph.outputs
@@ -148,12 +152,15 @@ class StaticDecoder:
         leading = _leading(slots, bb)
         key = ("chain", bb, nb, kv, steps, features is not None, leading)
         graph = self.graphs.get(key)
-        if graph is None:
+        fresh = graph is None
+        if fresh:
             inputs = self._buffers(bb, nb, features is not None)
             graph = self.graphs[key] = _Graph(inputs, (), None, self._staged(inputs["host"], bb, nb))
         depth = np.broadcast_to(np.arange(n), (b, n))
         causal = np.broadcast_to(np.tri(n, dtype=bool), (b, n, n))
         self._fill(graph, ids, depth, causal, slots, starts, features, staleness, counts)
+        if fresh:
+            self._compile_both(leading, bb, lambda lead: self._run_chain(graph.inputs, kv, steps, lead))
         if graph.graph is None and self.capture:
             try:
                 graph.graph, graph.outputs = self._capture(
@@ -169,6 +176,15 @@ class StaticDecoder:
         else:
             drafted = self._run_chain(graph.inputs, kv, steps, leading)[0]
         return drafted[:b].tolist()
+
+    def _compile_both(self, leading: bool, bb: int, run) -> None:
+        """decode=compiled: a new bucket runs the other `leading` case once too, so both are compiled in a
+        server's warm-up (which fills slots 0.. in order) and not at their first use while serving, where
+        a compile stalls every request for seconds. Its outputs are discarded; its cache writes are the
+        ones the real run makes. A view of rows 0..bb-1 standing in for other rows gives a wrong output
+        and nothing else."""
+        if self._compiled is not None and (leading or bb <= self.cache.num_slots):
+            run(not leading)
 
     # ---- static buffers ---------------------------------------------------------------------------
 

@@ -66,6 +66,35 @@ def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_t
                                          (2, 1, 64, True, False, False, True)}
 
 
+def test_a_new_compiled_bucket_compiles_both_leading_cases_and_still_matches_eager(tiny_target_dir) -> None:
+    """decode=compiled: the first forward of a bucket runs the other leading-rows case too (so a server's
+    warm-up compiles it, not its first use while serving); the discarded run leaves the cache as the real
+    one does. Here the compiled function is the plain layers, recording which case each call took."""
+    eager = ModelRunner(tiny_target_dir, max_slots=3, max_seq_len=64)
+    static = ModelRunner(tiny_target_dir, max_slots=3, max_seq_len=64, decode="static")
+    cases = []
+
+    def compiled(*args):
+        cases.append(args[-1])
+        return static.static._layers(*args)
+
+    static.static._compiled = compiled
+    outs = []
+    for runner in (eager, static):
+        slots = [runner.allocate() for _ in range(3)]
+        runner.prefill(slots, [[5, 6, 7], [8, 9], [1, 2, 3, 4, 5]])
+        first = runner.extend([slots[0], slots[1]], [[2], [3]])        # leading: slots 0, 1
+        cases_after_first = list(cases)
+        again = runner.extend([slots[1], slots[0]], [[4], [6]])        # the same bucket, not leading
+        later = runner.extend([slots[0], slots[1]], [[7], [8]])
+        outs.append((first, again, later, runner.cache.lengths[:3].clone()))
+    assert cases_after_first == [False, True]      # the other case first, then the real one
+    # each new bucket runs both once (the non-leading one: leading first); a known bucket runs its own
+    assert cases == [False, True, True, False, True]
+    for a, b in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_inputs_are_padded_into_one_packed_buffer(tiny_target_dir) -> None:
     """One forward's inputs, b = 1 row of n = 3 tokens in a 2 x 4 bucket: the real ones where they belong,
     padded tokens at their own depth seeing only themselves, padding written to the scratch slot."""
