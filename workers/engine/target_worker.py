@@ -22,6 +22,7 @@ from specd.workers.core.keyed import keyed_sample
 from specd.workers.core.sampling import (
     SamplingParams,
     greedy_argmax,
+    host_reads_are_cheap,
     logits_to_probs,
     make_generator,
     params_to_tensors,
@@ -241,7 +242,8 @@ class TargetWorker:
         """Greedy rows: the target's choice after every node is the argmax of its logits (one
         device-to-host read for the batch; each read is a GPU synchronisation). On the CPU a tree row's
         argmaxes are taken as its walk reads them (_ArgmaxByNode)."""
-        lazy = [i for i in rows if drafts[i].parents is not None] if logits.device.type == "cpu" else []
+        lazy = ([i for i in rows if drafts[i].parents is not None] if host_reads_are_cheap(logits.device)
+                else [])
         choices: dict[int, list[int] | _ArgmaxByNode] = {i: _ArgmaxByNode(logits[i]) for i in lazy}
         batched = [i for i in rows if i not in choices]
         if batched:
