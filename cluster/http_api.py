@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specd.cluster import openai_protocol as oai
 from specd.cluster.serving import DeltaEvent, ErrorCode, FinalEvent, RequestStream, ServingCore, ServingError
@@ -81,6 +82,7 @@ class HttpApi:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics)
 
     # ---- cross-cutting: auth, body size, unknown paths, metrics ------------------------------------
     @web.middleware
@@ -145,6 +147,16 @@ class HttpApi:
             return web.Response(status=200)
         return _error_response(503, "service_unavailable_error",
                                "not serving (loading, failing or shutting down)")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The Prometheus text of server.metrics_port, on the API's port too (as vLLM's API server serves
+        it): for a scraper that reaches only this port, and for a caller that bound port 0 and reads the
+        one port back. Behind the same token as the API: request counts and timings are the operator's."""
+        metrics = self.core.ready().metrics
+        if metrics is None:
+            return _error_response(404, "not_found_error", "this server keeps no metrics")
+        return web.Response(body=generate_latest(metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         b = self.core.ready()

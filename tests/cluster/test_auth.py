@@ -62,7 +62,8 @@ class Running:
     client_cert: tuple[str, str] | None
 
 
-def start(lt: LoopThread, server_cfg: ServerConfig, stack: list) -> GrpcServer:
+def start(lt: LoopThread, server_cfg: ServerConfig, stack: list, health: bool = False) -> GrpcServer:
+    """health: a plaintext health port too, on a port the server binds itself (0) and reports back."""
     target = FakeTarget(max_slots=2, delay=0.001)
     drafter = FakeDrafter(target, delay=0.001)
 
@@ -73,7 +74,7 @@ def start(lt: LoopThread, server_cfg: ServerConfig, stack: list) -> GrpcServer:
         srv = GrpcServer(SpecdServicer(), server_cfg.host, port=0,
                          security=ServerSecurity.from_config(server_cfg),
                          max_message_bytes=server_cfg.max_message_bytes,
-                         health_port=server_cfg.health_port or None)
+                         health_port=0 if health else None)
         await srv.start()
         await srv.attach(Backend(sched, ToyCodec(), BOUNDS, "fake", (EOS,), 1, 1, 4))
         stack.append((srv, sched))
@@ -90,19 +91,13 @@ def secured(tmp_path_factory):
     token_file.write_text(f"old-token\n{TOKEN}\n")
     lt, stack = LoopThread(), []
     cfg = ServerConfig(tls_cert_file=cert, tls_key_file=key, auth_token_file=str(token_file),
-                       max_message_bytes=1 << 16, health_port=free_port())
-    srv = start(lt, cfg, stack)
+                       max_message_bytes=1 << 16)
+    srv = start(lt, cfg, stack, health=True)
     yield Running(f"localhost:{srv.port}", srv.health_port, cert, None)
     for srv, sched in stack:
         lt.run(srv.stop(0))
         lt.run(sched.stop())
     lt.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call_code(client: SpecdClient) -> grpc.StatusCode:

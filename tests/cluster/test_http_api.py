@@ -340,6 +340,12 @@ def test_metrics_count_requests_by_endpoint_and_status(server) -> None:
     post(f"{server['url']}/v1/completions", {"prompt": "A", "max_tokens": 0})
     assert counter.labels("/v1/completions", "200")._value.get() == before + 1
     assert counter.labels("/v1/completions", "400")._value.get() >= 1
+    # the same registry as Prometheus text on the API's own port, with the counts just made
+    with urllib.request.urlopen(f"{server['url']}/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    line = 'specd_http_requests_total{endpoint="/v1/completions",status="200"}'
+    assert f"{line} {counter.labels('/v1/completions', '200')._value.get()}" in text
 
 
 def test_loading_is_503_and_health_follows_serving() -> None:
@@ -388,6 +394,12 @@ def test_tokens_and_tls_as_on_the_grpc_port(tmp_path) -> None:
         assert out.choices[0].text == "BC"
         with urllib.request.urlopen(f"{http.url}/health", timeout=10, context=ctx) as resp:
             assert resp.status == 200                  # probes need no token
+        with pytest.raises(urllib.error.HTTPError) as denied:    # the metrics do
+            urllib.request.urlopen(f"{http.url}/metrics", timeout=10, context=ctx)
+        assert denied.value.code == 401
+        metrics = urllib.request.Request(f"{http.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(metrics, timeout=10, context=ctx) as resp:
+            assert b"specd_http_requests_total" in resp.read()
         with pytest.raises((urllib.error.URLError, ConnectionError)):     # plaintext HTTP to the TLS port
             urllib.request.urlopen(f"http://{http.address}/health", timeout=10)
     finally:
