@@ -18,6 +18,7 @@ version stays and the next poll tries again.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -29,7 +30,6 @@ from safetensors.torch import save_file
 
 from specd.workers.drafters.versions import (
     META_FILE,
-    VERSIONS_DIR,
     WEIGHTS_FILE,
     VersionError,
     load_version,
@@ -125,19 +125,13 @@ def fetch_version(client: redis.Redis, prefix: str, version: str, store_root: st
         meta, config = fields[b"meta"], fields[b"config"]
     except (KeyError, ValueError) as exc:
         raise VersionError(f"version {version}: incomplete in Redis ({exc})") from exc
-    (Path(store_root) / VERSIONS_DIR).mkdir(parents=True, exist_ok=True)
-    tmp = Path(store_root) / VERSIONS_DIR / f".tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         (tmp / WEIGHTS_FILE).write_bytes(data)
         (tmp / META_FILE).write_bytes(meta)
         (tmp / CONFIG_FILE).write_bytes(config)
-        os.rename(tmp, dest)
-    except FileExistsError:         # another reader of the same store won the race: same bytes
-        shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    _write_once(dest, write)
     return dest
 
 
@@ -218,23 +212,37 @@ def materialize_drafter(vdir: str | Path, target_dir: str | Path, out_dir: str |
     if (out_dir / META_FILE).is_file():
         return out_dir
     tensors, meta = load_version(vdir, target_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS_FILE),
                   metadata={"format": "pt"})
         shutil.copyfile(Path(vdir) / CONFIG_FILE, tmp / CONFIG_FILE)
         # the full file's own hash, so that a reader checking a drafter directory finds it consistent
         (tmp / META_FILE).write_text(json.dumps({**meta, "sha256": sha256_file(tmp / WEIGHTS_FILE),
                                                  "published_sha256": meta.get("sha256")}, indent=2))
-        os.rename(tmp, out_dir)
-    except FileExistsError:
+
+    _write_once(out_dir, write)
+    return out_dir
+
+
+def _write_once(dest: Path, write) -> None:
+    """Fill a fresh sibling directory with write(tmp), then rename it to dest in one step, so a reader
+    sees all of dest or none. Several processes may fill the same dest at once (each replica's
+    DraftWorker on a node shares the cache): the first rename wins, and the others, having written the
+    same bytes, drop theirs. Linux refuses a rename onto a non-empty directory with ENOTEMPTY, not EEXIST."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        os.rename(tmp, dest)
+    except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not (dest / META_FILE).is_file():
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 __all__ = ["CHUNK_BYTES", "DirVersionSource", "RedisVersionSource", "SourceUnavailable", "fetch_version",
