@@ -10,12 +10,15 @@ a skip stays a skip; `-rs` (pyproject.toml) prints every skip's reason either wa
 
 Tests that use the real model, the bootstrapped drafters, a Ray session or a redis-server of their own
 (by their fixtures, SLOW_FIXTURES) are marked `slow`, so `pytest -m "not slow"` is the quick loop;
-modules and tests that start subprocesses, Ray or a server themselves mark themselves.
+modules and tests that start subprocesses, Ray or a server themselves mark themselves. That is checked:
+a test not marked `slow` that starts a process (subprocess.Popen, which Ray, redis-server and every
+command run go through), in its setup or its body, fails with what it started.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -24,6 +27,10 @@ CI_SKIPS = {
     "tests/workers/engine/test_static_decode.py::test_cuda_graphs_match_eager":
         "CUDA graph capture needs a GPU; CI's machine has none (run on a lent GPU: scripts/gpu_bench.sh)",
 }
+
+# Short-lived processes that libraries start on their own (ctypes.util.find_library runs ldconfig,
+# platform.processor() runs uname): not what a test starts.
+LIBRARY_PROBES = frozenset({"ldconfig", "uname"})
 
 # What a test starts, by its fixtures: the real model or a bootstrapped drafter, a Ray session, a
 # redis-server of its own.
@@ -61,3 +68,38 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         report.longrepr = (f"{item.nodeid} was skipped in CI ({reason}) and is not on the allow-list "
                            "(tests/ci_required.py: CI_SKIPS): install what it needs, or list it with why")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _no_process_unless_slow(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _no_process_unless_slow(item, "body"))
+
+
+def _no_process_unless_slow(item, phase: str):
+    """Run one phase of a test; a process started in it fails a test not marked slow."""
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    started: list[str] = []
+    real_init = subprocess.Popen.__init__
+
+    def watched(self, args, *rest, **kw):
+        command = args if isinstance(args, str) else " ".join(map(str, args))
+        if os.path.basename(command.split(" ", 1)[0]) not in LIBRARY_PROBES:
+            started.append(command)
+        return real_init(self, args, *rest, **kw)
+
+    subprocess.Popen.__init__ = watched
+    try:
+        result = yield
+    finally:
+        subprocess.Popen.__init__ = real_init
+    if started:
+        more = f" and {len(started) - 1} more" if len(started) > 1 else ""
+        raise AssertionError(f"{item.nodeid} is not marked slow but its {phase} started a process "
+                             f"({started[0][:200]!r}{more}): mark it `slow` (docs/testing.md)")
+    return result

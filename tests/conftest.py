@@ -17,7 +17,9 @@ import torch
 from tests.ci_required import (  # noqa: F401 (pytest hooks: found by name in this conftest)
     pytest_collection_modifyitems,
     pytest_configure,
+    pytest_runtest_call,
     pytest_runtest_makereport,
+    pytest_runtest_setup,
 )
 
 # Two cores shared by everything on this machine; more threads only add contention.

@@ -72,3 +72,42 @@ def test_skips_fail_in_ci_unless_listed(tmp_path) -> None:
 def test_tests_of_the_real_model_are_marked_slow(tmp_path) -> None:
     quick = _pytest(tmp_path, None, "-m", "not slow")
     assert "3 skipped, 1 deselected" in quick.stdout, quick.stdout
+
+
+STARTS = '''
+import subprocess, sys
+import pytest
+
+@pytest.fixture
+def started_in_setup():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_starts_one_unmarked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_setup_starts_one_unmarked(started_in_setup):
+    pass
+
+@pytest.mark.slow
+def test_starts_one_marked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_starts_none():
+    pass
+
+def test_a_library_probe_is_not_a_start():
+    import ctypes.util
+    ctypes.util.find_library("m")      # runs ldconfig -p
+'''
+
+
+def test_a_test_that_starts_a_process_must_be_marked_slow(tmp_path) -> None:
+    (tmp_path / "test_starts.py").write_text(STARTS)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.ci_required", "-q", "-p",
+                          "no:cacheprovider", str(tmp_path / "test_starts.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "1 failed, 3 passed, 1 error" in out, out       # the setup one is an error in setup
+    assert "test_starts_one_unmarked is not marked slow but its body started a process" in out
+    assert "test_setup_starts_one_unmarked is not marked slow but its setup started a process" in out

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow          # a process: the quick loop leaves it to `ruff check .` by hand
 def test_ruff_is_clean() -> None:
     cmd = [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -279,6 +279,8 @@ def test_cancelled_stream_frees_slots_within_100ms(server) -> None:
         times.append(time.perf_counter() - t0)
         wait_idle(server, "a cancel")
     times.sort()
+    # a fake step takes about a millisecond, so 0.1 s is ~100 steps of margin; the median of five
+    # tolerates two stalls of a loaded machine
     assert times[len(times) // 2] < 0.1, f"cancel-to-free times {times}"
 
 

@@ -274,6 +274,7 @@ def test_oversized_body_is_413_before_it_is_read() -> None:
         lt.close()
 
 
+@pytest.mark.slow
 def test_sse_through_curl(server) -> None:
     body = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "E"}], "max_tokens": 4,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})

@@ -18,6 +18,7 @@ from specd.configs.schema import ReplayConfig
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 
 
+@pytest.mark.slow
 def test_managed_redis_requires_its_password_and_stops() -> None:
     with ManagedRedis() as server:
         ep = server.endpoint
@@ -35,6 +36,7 @@ def test_managed_redis_requires_its_password_and_stops() -> None:
     assert server.proc is None and pid > 0
 
 
+@pytest.mark.slow
 def test_managed_redis_listens_on_no_tcp_port_and_its_socket_dir_is_private() -> None:
     with ManagedRedis() as server:
         proc = psutil.Process(server.proc.pid)
@@ -48,6 +50,7 @@ def test_managed_redis_listens_on_no_tcp_port_and_its_socket_dir_is_private() ->
         assert stat.S_IMODE(os.stat(server.socket_path).st_mode) & 0o077 == 0
 
 
+@pytest.mark.slow
 def test_restart_keeps_the_socket_and_the_endpoint() -> None:
     server = ManagedRedis().start()
     try:
@@ -61,6 +64,7 @@ def test_restart_keeps_the_socket_and_the_endpoint() -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_configured_url_takes_its_password_from_the_environment(monkeypatch) -> None:
     with ManagedRedis() as server:
         monkeypatch.setenv("MY_REDIS_PW", server.password)
@@ -73,6 +77,7 @@ def test_configured_url_takes_its_password_from_the_environment(monkeypatch) -> 
             endpoint_from_config(cfg).client().ping()
 
 
+@pytest.mark.slow
 def test_an_operator_may_still_ask_for_tcp_on_loopback() -> None:
     from specd.cluster.redis_server import free_port
 

@@ -116,6 +116,7 @@ def test_a_request_that_asks_for_no_record_leaves_none(workers):
     assert recorder.running() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_redis_stopped_and_restarted_while_serving_fails_nothing(workers):
     registry = CollectorRegistry()

@@ -32,6 +32,7 @@ def _wait(cond, timeout: float = 10.0) -> bool:
     return cond()
 
 
+@pytest.mark.slow
 def test_records_reach_the_stream_with_approximate_maxlen() -> None:
     with ManagedRedis() as server:
         writer = ReplayWriter(server.endpoint, "specd:replay", maxlen=100).start()
@@ -49,6 +50,7 @@ def test_records_reach_the_stream_with_approximate_maxlen() -> None:
         assert writer.dropped == 0
 
 
+@pytest.mark.slow
 def test_redis_stopped_and_restarted_while_writing() -> None:
     registry = CollectorRegistry()
     server = ManagedRedis().start()

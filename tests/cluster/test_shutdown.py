@@ -65,6 +65,7 @@ def streams_in_flight(client: SpecdClient, n: int, max_new_tokens: int):
     return threads, results
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(start_server) -> None:
     proc, client, health = start_server(grace_s=30)
     assert health.health() == "SERVING"
@@ -86,6 +87,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(start_server) -> None:
     assert proc.wait(30) == 0
 
 
+@pytest.mark.slow
 def test_grace_period_ends_in_flight_requests_and_second_signal_exits_at_once(start_server) -> None:
     proc, client, _ = start_server(grace_s=0.2)
     threads, results = streams_in_flight(client, 2, max_new_tokens=60)
@@ -103,4 +105,6 @@ def test_grace_period_ends_in_flight_requests_and_second_signal_exits_at_once(st
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 128 + signal.SIGTERM
-    assert time.monotonic() - t0 < 1.0, "the second signal did not exit at once"
+    # "at once" against the 60 s of grace the drain would otherwise take; 10 s is margin for a loaded
+    # 2-core machine (an exit here takes well under a second)
+    assert time.monotonic() - t0 < 10.0, "the second signal did not exit at once"

@@ -31,6 +31,7 @@ def final_stage(parsed) -> list[dict]:
     return structure[last_from:]
 
 
+@pytest.mark.slow
 def test_hadolint_is_clean() -> None:
     hadolint = shutil.which("hadolint")
     if hadolint is None:

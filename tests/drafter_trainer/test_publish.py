@@ -113,6 +113,7 @@ def _fill(path: Path, leave: int) -> Path:
     return filler
 
 
+@pytest.mark.slow
 def test_disk_full_while_publishing_keeps_a_good_current_and_the_trainer_goes_on(
         small_fs, tiny_llama_dir, drafter, tmp_path):
     from specd.cluster.redis_server import ManagedRedis

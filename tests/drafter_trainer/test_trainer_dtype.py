@@ -34,6 +34,7 @@ def test_auto_is_bfloat16_on_cuda_and_on_cpus_with_native_bfloat16_only() -> Non
             trainer_dtype(unsupported, "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hidden_drafter_learns_in_either_precision_with_float32_weights(tmp_path, tiny_llama_dir, dtype):

@@ -15,7 +15,6 @@ from functools import partial
 import pytest
 
 from specd.cluster.client import SpecdClient
-from specd.cluster.redis_server import free_port
 from tests.e2e.in_process import serving
 
 # README's reliability table says these run in CI: with CI set, a skip here fails the suite
@@ -52,7 +51,7 @@ def server(tmp_path_factory, boot_hidden_drafter_dir):
 
     store = tmp_path_factory.mktemp("online-store")
     cfg = load_config([
-        "server.port=0", "server.http_port=0", f"server.metrics_port={free_port()}", "target.max_slots=4",
+        "server.port=0", "server.http_port=0", "server.metrics_port=0", "target.max_slots=4",
         "drafter.max_slots=4",
         "target.max_seq_len=512", f"drafter.path={boot_hidden_drafter_dir}", f"trainer.out_dir={store}",
         "trainer.update_every_records=2", "trainer.update_every_s=1", "trainer.holdout_every=2",
@@ -70,7 +69,7 @@ def server(tmp_path_factory, boot_hidden_drafter_dir):
 
 
 def test_swaps_while_streaming_keep_greedy_output_exact(server) -> None:
-    c, port = server["client"], server["handle"].metrics_port
+    c, port = server["client"], server["handle"].http_port   # /metrics on the API port
     reference = [c.generate(prompt=p, max_new_tokens=24, speculation=False).token_ids for p in PROMPTS]
     streamed = partial(_streamed, c, 24)
 
@@ -97,7 +96,7 @@ def test_a_request_that_asks_for_no_record_leaves_none(server) -> None:
     """GenerateRequest.skip_replay through the real server: the request is served and nothing reaches
     Redis for it. The writer is first in, first out, so once the plain request after it is written, a
     record of the first would have been too."""
-    c, port = server["client"], server["handle"].metrics_port
+    c, port = server["client"], server["handle"].http_port
 
     def written() -> float:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -132,7 +131,7 @@ def test_redis_and_trainer_killed_while_serving(server) -> None:
     """The managed redis-server and the trainer actor are SIGKILLed under streaming load: every request
     still succeeds with exact output, records are dropped and counted while Redis is away, specd starts
     Redis again and writing resumes, Ray restarts the trainer and it reads the stream again."""
-    c, port = server["client"], server["handle"].metrics_port
+    c, port = server["client"], server["handle"].http_port
     reference = [c.generate(prompt=p, max_new_tokens=16, speculation=False).token_ids for p in PROMPTS]
     streamed = partial(_streamed, c, 16)
 

@@ -1,15 +1,17 @@
-"""End to end: the real server (local Ray, gRPC on a free port, SmolLM2 target and drafter).
+"""End to end: the real server (local Ray, gRPC on a free port, SmolLM2 target and drafter, two
+replicas of real workers).
 
-Checks concurrent unary and streaming greedy requests against target-only decoding, health, reflection,
-a stream cancelled midway (its slots come back), a deadline, every bad input's status, and /metrics,
-with the router's worker calls carried by compiled Ray graphs (`ray.compiled_calls`).
-The drafter is the bootstrapped model drafter when it exists in the cache, else the n-gram drafter.
+Checks concurrent unary and streaming greedy requests against target-only decoding (the sync and the
+asyncio client), unseeded sampling against the target's own distribution (chi-square over requests
+through the router and the Ray actors), seeded requests under concurrent load, health, reflection, a
+stream cancelled midway (its slots come back), a deadline, every bad input's status, and /metrics, with
+the router's worker calls carried by compiled Ray graphs (`ray.compiled_calls`). The drafter is the
+model drafter that reads hidden states: the bootstrapped one in the cache, else the quick one the
+fixture builds, so a fresh machine serves the same kind of drafter.
 """
 
 from __future__ import annotations
 
-import random
-import socket
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -32,44 +34,31 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range (from 32768):
-    an ephemeral one, free when picked, was taken by Ray's own processes before the server bound it."""
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32767")
-
-
-def drafter_kind(cache_dir: str | None) -> str:
-    from specd.workers.drafters.model import default_drafter_dir
-
-    # the default model drafter reads the target's hidden states (bootstrap's second stage)
-    have = (default_drafter_dir(cache_dir, target_hidden=True) / "config.json").exists()
-    return "model" if have else "ngram"
+def metrics_text(server) -> str:
+    """/metrics on the HTTP API's port: the server bound it (server.http_port=0) and reported it back."""
+    url = f"http://127.0.0.1:{server['handle'].http_port}/metrics"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
 
 
 @pytest.fixture(scope="module")
-def server():
-    ray = pytest.importorskip("ray")
+def server(boot_hidden_drafter_dir):
+    import ray
+
     from specd.configs import load_config
 
     # config groups and single keys, as `specd serve` takes them; ServerInfo must report them back
-    drafter_group = "hidden" if drafter_kind(None) == "model" else "ngram"
-    cfg = load_config([f"drafter={drafter_group}", "spec=chain", "spec.tree_width_max=3", "server.port=0",
-                       "server.http_port=0",
-                       f"server.metrics_port={free_port()}", "target.max_slots=4", "drafter.max_slots=4",
+    cfg = load_config(["drafter=hidden", f"drafter.path={boot_hidden_drafter_dir}", "spec=chain",
+                       "spec.tree_width_max=3", "target.replicas=2", "server.port=0", "server.http_port=0",
+                       "server.metrics_port=0", "target.max_slots=4", "drafter.max_slots=4",
                        "target.max_seq_len=512", "server.max_queue=8", "server.max_message_bytes=8388608",
                        # the router's calls through compiled graphs (cluster/compiled_calls.py): every test
                        # of this module runs over them; the other servers' tests use plain actor calls
-                       "ray.compiled_calls=true"])
-    ray.init(num_cpus=4, include_dashboard=False, namespace="specd-e2e", log_to_driver=False)
+                       "ray.compiled_calls=true",
+                       # the guard stops drafting where the quick drafter's drafts do not pay, whatever a
+                       # request asks; these tests need every drafting request to draft and be verified
+                       "spec.guard_window_steps=0"])
+    # two replicas' target and draft actors, the trainer and the compiled graphs' readers
+    ray.init(num_cpus=8, include_dashboard=False, namespace="specd-e2e", log_to_driver=False)
     try:
         with serving(cfg) as handle:
             client = SpecdClient(handle.address, timeout=300)
@@ -112,9 +101,8 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
     for kw in (dict(tree_width=2), dict(gamma_policy="egag"), dict(gamma_policy="adaptive", gamma=8),
                dict(gamma=0), dict(top_k=40, top_p=0.9)):    # top-k/top-p leave greedy unchanged
         assert c.generate(PROMPTS[0], max_new_tokens=24, **kw).token_ids == ref, kw
-    if drafter_kind(None) == "model":  # the n-gram drafter's trees are chains
-        tree = c.generate(PROMPTS[0], max_new_tokens=24, tree_width=2, gamma=3)
-        assert tree.usage["drafted"] > 3 * tree.usage["steps"], "a tree, not a chain of γ = 3"
+    tree = c.generate(PROMPTS[0], max_new_tokens=24, tree_width=2, gamma=3)
+    assert tree.usage["drafted"] > 3 * tree.usage["steps"], "a tree, not a chain of γ = 3"
     # A seeded request's text is a function of its seed and prompt (keyed sampling, workers/core/keyed.py):
     # the same with speculation on, under the default γ policy that follows measured time, and off.
     seeded = dict(max_new_tokens=24, temperature=0.8, seed=7)
@@ -122,6 +110,125 @@ def test_trees_policies_and_sampling_settings_stay_lossless(server) -> None:
     sampled.append(c.generate(PROMPTS[0], **seeded, speculation=False).token_ids)
     sampled.append(c.generate(PROMPTS[0], **seeded, gamma=4, gamma_policy="fixed").token_ids)
     assert sampled[0] == sampled[1] == sampled[2] == sampled[3]
+
+
+
+def test_the_async_client_and_both_replicas_serve_the_target_only_answer(server) -> None:
+    """AsyncSpecdClient: unary and streamed requests side by side on one event loop, spread over both
+    replicas, each equal to the target-only answer."""
+    import asyncio
+
+    from specd.cluster.client import AsyncSpecdClient
+
+    c = server["client"]
+    baseline = [c.generate(p, max_new_tokens=24, speculation=False) for p in PROMPTS]
+
+    async def streamed(client, prompt):
+        return [chunk async for chunk in client.stream(prompt, max_new_tokens=24)]
+
+    async def main():
+        client = AsyncSpecdClient(server["handle"].address, timeout=300)
+        try:
+            unary = [client.generate(p, max_new_tokens=24) for p in PROMPTS * 2]
+            streams = [streamed(client, p) for p in PROMPTS]
+            return await asyncio.gather(*unary), await asyncio.gather(*streams), await client.server_info()
+        finally:
+            await client.close()
+
+    unary, streams, info = asyncio.run(main())
+    for out, ref in zip(unary, baseline * 2, strict=True):
+        assert (out.token_ids, out.text) == (ref.token_ids, ref.text)
+    for chunks, ref in zip(streams, baseline, strict=True):
+        assert [t for ch in chunks for t in ch.token_ids] == ref.token_ids
+        assert "".join(ch.text for ch in chunks) == ref.text
+    assert info["replicas"] == 2 and len(info["workers"]) == 2
+    assert {o.usage["replica"] for o in unary} == {0, 1}, "the dispatcher used one replica only"
+
+
+def test_seeded_requests_reproduce_under_concurrent_load_and_the_goodput_policy(server) -> None:
+    """A seeded request's text is a function of its seed and prompt: sent alone with speculation off,
+    then all at once beside greedy traffic, under the goodput policy (γ follows the measured batch, so it
+    differs from run to run), a fixed γ and a tree, unary and streamed, every answer is the same."""
+    c = server["client"]
+    kw = dict(max_new_tokens=20, temperature=0.9, top_p=0.95, ignore_eos=True)
+    cases = [(PROMPTS[i % len(PROMPTS)], seed) for i, seed in enumerate((0, 7, 12345, 2**64 - 1))]
+    alone = [c.generate(p, seed=s, speculation=False, **kw).token_ids for p, s in cases]
+    variants = [dict(gamma_policy="goodput"), dict(gamma_policy="fixed", gamma=4),
+                dict(gamma_policy="fixed", gamma=3, tree_width=2)]
+
+    def unary(job):
+        (prompt, seed), extra = job
+        return c.generate(prompt, seed=seed, **kw, **extra).token_ids
+
+    def streamed(job):
+        (prompt, seed), extra = job
+        return [t for ch in c.stream(prompt, seed=seed, **kw, **extra) for t in ch.token_ids]
+
+    jobs = [(case, extra) for extra in variants for case in cases]
+    with ThreadPoolExecutor(12) as pool:
+        greedy = [pool.submit(c.generate, p, max_new_tokens=32) for p in PROMPTS]   # load beside them
+        got_unary = list(pool.map(unary, jobs))
+        got_streamed = list(pool.map(streamed, jobs))
+        assert all(g.result().usage["completion_tokens"] > 0 for g in greedy)
+    expected = [ids for _ in variants for ids in alone]
+    assert got_unary == expected and got_streamed == expected
+    assert len({tuple(ids) for ids in alone}) == len(alone), "different seeds gave the same text"
+
+
+def _target_probs(model, prefix: list[int], temperature: float, top_k: int):
+    """The target's next-token distribution after processing (temperature, then top-k)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([prefix])).logits[0, -1].double() / temperature
+    top = torch.topk(logits, top_k)
+    return dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist(), strict=True))
+
+
+def test_unseeded_sampling_through_ray_is_the_targets_distribution(server) -> None:
+    """Unseeded sampled rows verify with p and q (accept with min(1, p/q), else a recovered token from
+    the residual max(0, p - q)) on the target actor, with q sent from the draft actor through the router.
+    Over many requests the first three tokens must follow the target's own joint distribution
+    (chi-square, computed from an independent transformers forward); a lost temperature would not."""
+    import torch
+    from scipy.stats import chisquare
+    from transformers import AutoModelForCausalLM
+
+    from specd.workers.models.loader import load_tokenizer
+
+    c, n_requests, temperature, top_k = server["client"], 480, 1.0, 3
+    model_dir = server["handle"].info["model_dir"]
+    prompt = load_tokenizer(model_dir).encode("My favourite colour is")
+    kw = dict(token_ids=prompt, max_new_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True,
+              gamma=3, gamma_policy="fixed", skip_replay=True)
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda _: c.generate(**kw), range(n_requests)))
+    assert sum(o.usage["drafted"] for o in outs) >= n_requests, "a request drafted nothing"
+    assert sum(o.usage["recovered"] for o in outs) > 0, "no draft was rejected: the residual never ran"
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def joint(temp: float) -> dict[tuple[int, ...], float]:
+        out = {(): 1.0}
+        for _ in range(3):
+            out = {path + (t,): pr * q for path, pr in out.items()
+                   for t, q in _target_probs(model, prompt + list(path), temp, top_k).items()}
+        return out
+
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+
+    def p_value(probs: dict[tuple[int, ...], float]) -> float:
+        assert set(counts) <= set(probs), "a sequence outside the target's top-k support"
+        # paths expected fewer than 5 times are pooled, as the chi-square approximation needs
+        big = [k for k, v in probs.items() if v * n_requests >= 5]
+        observed = [counts.get(k, 0) for k in big] + [n_requests - sum(counts.get(k, 0) for k in big)]
+        expected = [probs[k] * n_requests for k in big] + [n_requests * (1 - sum(probs[k] for k in big))]
+        return float(chisquare(observed, expected).pvalue)
+
+    assert p_value(joint(temperature)) > 1e-4, counts
+    assert p_value(joint(temperature / 2)) < 1e-4, "the check cannot tell temperature 1 from 0.5"
 
 
 def test_openai_http_api_matches_grpc(server) -> None:
@@ -204,7 +311,7 @@ def test_health_reflection_and_info(server) -> None:
 def test_config_groups_and_overrides_reach_the_server(server) -> None:
     info = server["client"].server_info()
     config = info["config"]
-    assert config["drafter.kind"] == drafter_kind(None)          # from the drafter group
+    assert config["drafter.kind"] == "model" and config["drafter.target_hidden"] == "true"  # drafter=hidden
     assert config["spec.tree_width"] == "1" and info["tree_width_default"] == 1    # spec=chain
     assert config["spec.tree_width_max"] == "3" and info["tree_width_max"] == 3   # a single key
     assert config["target.max_slots"] == "4" and config["server.port"] == "0"
@@ -264,23 +371,30 @@ def test_every_bad_input_gets_invalid_argument(server) -> None:
 
 def test_a_4_mib_prompt_is_refused_quickly_while_a_stream_goes_on(server) -> None:
     """The real tokenizer takes seconds on 4 MiB; the length bound refuses it first, off the event loop,
-    while another request keeps streaming."""
+    while another request keeps streaming. "Quickly" is against that tokenizer on the same text in this
+    process, measured here, so a loaded machine slows both sides."""
     import time
 
-    c = server["client"]
+    from specd.workers.models.loader import load_tokenizer
+
+    c, text = server["client"], "word " * ((4 << 20) // 5)
     stream = c.stream(PROMPTS[0], max_new_tokens=64, ignore_eos=True)
     assert next(stream).token_ids
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        c.generate(text="word " * ((4 << 20) // 5), max_new_tokens=4)
+        c.generate(text=text, max_new_tokens=4)
+    refused_s = time.monotonic() - t0
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "server.max_prompt_chars" in err.value.details() and time.monotonic() - t0 < 5
+    assert "server.max_prompt_chars" in err.value.details()
     assert sum(len(chunk.token_ids) for chunk in stream) >= 60
+    tokenizer = load_tokenizer(server["handle"].info["model_dir"])
+    t0 = time.monotonic()
+    tokenizer.encode(text)
+    assert refused_s < (time.monotonic() - t0) / 4, "as slow as tokenizing it: the bound came too late"
 
 
 def test_metrics_endpoint(server) -> None:
-    port = server["handle"].metrics_port
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = metrics_text(server)
     for name in ("specd_generated_tokens_total", "specd_time_to_first_token_seconds_bucket",
                  "specd_drafted_tokens_total", "specd_position_drafted_total", "specd_queue_depth"):
         assert name in text, name
@@ -292,11 +406,10 @@ def test_the_router_calls_its_workers_through_compiled_graphs(server) -> None:
     poll, every 10 s), not plain Ray calls."""
     import time
 
-    port = server["handle"].metrics_port
     server["client"].generate(PROMPTS[1], max_new_tokens=8)
     counts, deadline = {}, time.monotonic() + 30
     while time.monotonic() < deadline:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        text = metrics_text(server)
         counts = {line.split('worker="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                   for line in text.splitlines() if line.startswith("specd_compiled_graph_calls_total{")}
         if counts.get("target", 0) > 0 and counts.get("drafter", 0) > 0:

@@ -12,9 +12,7 @@ trainer published from the served records is swapped into the proposer and draft
 from __future__ import annotations
 
 import os
-import random
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -43,29 +41,14 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    """Between Ray's worker ports and the ephemeral range, as tests/e2e/test_serve.py explains."""
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32767")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, boot_drafter_dir):
     """boot_drafter_dir (tests/conftest.py): a token-only drafter, built when the cache has none."""
-    port, metrics_port = free_port(), free_port()
     log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     store = tmp_path_factory.mktemp("vllm-online-store")
     cmd = [sys.executable, "-m", "specd.cluster.serve", "target.backend=vllm", "drafter=token",
-           f"drafter.path={boot_drafter_dir}", "spec=chain", f"server.port={port}", "server.http_port=0",
-           f"server.metrics_port={metrics_port}", "target.max_slots=4", "target.max_seq_len=512",
+           f"drafter.path={boot_drafter_dir}", "spec=chain", "server.port=0", "server.http_port=0",
+           "server.metrics_port=0", "target.max_slots=4", "target.max_seq_len=512",
            "server.max_queue=8", f"trainer.out_dir={store}", "trainer.update_every_records=2",
            "trainer.update_every_s=1", "trainer.holdout_every=2", "trainer.steps_per_update=2",
            "trainer.batch_records=2", "trainer.gate_margin=-1.0", "trainer.collapse_alpha=0.0",
@@ -88,8 +71,12 @@ def server(tmp_path_factory, boot_drafter_dir):
     if not ready.is_set():
         proc.kill()
         pytest.fail(f"server did not come up (rc {proc.poll()}); log tail:\n{log_path.read_text()[-3000:]}")
-    client = SpecdClient(f"127.0.0.1:{port}", timeout=120)
-    yield {"client": client, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "proc": proc}
+    # the ports the server bound itself (0), from its serving line; /metrics is on the HTTP API's port
+    line = next(x for x in lines if x.startswith("specd serving"))
+    served = re.search(r" on (\S+:\d+), OpenAI-compatible HTTP on (\S+)/v1", line)
+    assert served, line
+    client = SpecdClient(served.group(1), timeout=120)
+    yield {"client": client, "metrics": f"{served.group(2)}/metrics", "proc": proc}
     client.close()
     proc.send_signal(2)
     try:

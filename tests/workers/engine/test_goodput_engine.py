@@ -117,7 +117,9 @@ def test_host_work_of_drafting_steps_turns_drafting_off(cfg, target, monkeypatch
         assert max(planner.costs.host_draft.values()) > host_seconds / 4
         assert drafting <= steps // 3, (drafting, steps)
     else:
-        assert planner.costs.host_seconds(len(PROMPTS)) < 0.02
+        # measured host work stays far below the slow case's injected 0.2 s (milliseconds here; a quarter
+        # of it is margin for a loaded machine), so drafting keeps paying
+        assert planner.costs.host_seconds(len(PROMPTS)) < 0.2 / 4
         assert drafting >= steps // 2, (drafting, steps)
     assert target.free_slots() == cfg.target.max_slots
 

@@ -41,6 +41,7 @@ def faults(mode: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(host_memory._glibc() is None, reason="glibc's malloc only")
 def test_kept_memory_is_reused_instead_of_faulted_in_again():
     touched = 20 * 32 * 512  # pages of 4 KiB written by the 20 timed steps
