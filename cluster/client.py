@@ -9,10 +9,18 @@
 `prompt` is one user chat message; pass `messages=[{"role": ..., "content": ...}]` for a conversation,
 `text=` for raw text or `token_ids=` for token ids. Errors surface as grpc.RpcError with the server's
 status code and message.
+
+The address may name several routers: a DNS name with one record per router (a headless Service,
+`dns:///specd-router-headless:50051`) or `ipv4:10.0.0.7:50051,10.0.0.8:50051`. Calls are spread over
+them (round robin), and a call that fails UNAVAILABLE before its first response (a router loading,
+draining, restarting or gone) is tried again, on another router where there is one (gRPC's retry
+policy, `Security.attempts`). A stream that has sent a token is never retried: gRPC commits a call at
+its first response, so a failure after it reaches the caller.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -151,10 +159,13 @@ class Security:
     key_file: str | None = None
     token: str | None = None
     max_message_bytes: int | None = None
+    attempts: int = 5          # tries of a call failing UNAVAILABLE before any response (1..5)
 
-    def channel_args(self) -> list[tuple[str, int]]:
+    def channel_args(self) -> list[tuple[str, int | str]]:
         n = self.max_message_bytes
-        return [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)] if n else []
+        sizes = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)] if n else []
+        return [*sizes, ("grpc.enable_retries", int(self.attempts > 1)),
+                ("grpc.service_config", service_config(self.attempts))]
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         return (("authorization", f"Bearer {self.token}"),) if self.token else None
@@ -173,6 +184,19 @@ class Security:
         if creds is not None:
             return api.secure_channel(address, creds, options=self.channel_args())
         return api.insecure_channel(address, options=self.channel_args())
+
+
+def service_config(attempts: int) -> str:
+    """The channel's gRPC service config: round robin over every address the target resolves to, and
+    retries of the serving calls on UNAVAILABLE with a short exponential backoff (gRPC's own limits:
+    at most 5 attempts, and only while the call is uncommitted, i.e. before any response arrived)."""
+    if not 1 <= attempts <= 5:
+        raise ValueError(f"attempts must be in [1, 5] (gRPC's limit), not {attempts}")
+    method: dict = {"name": [{"service": "specd.v1.Specd"}]}
+    if attempts > 1:
+        method["retryPolicy"] = {"maxAttempts": attempts, "initialBackoff": "0.1s", "maxBackoff": "2s",
+                                 "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+    return json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [method]})
 
 
 class SpecdClient:
