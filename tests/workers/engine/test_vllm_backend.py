@@ -275,18 +275,17 @@ def run_vllm(cfg, mode: str, prompts: list[list[int]], n: int, sampled: int = 0)
 
 @pytest.mark.slow
 @pytest.mark.skipif(VLLM_MISSING is not None, reason=f"needs the vllm extra ({VLLM_MISSING})")
-def test_vllm_backend_greedy_equals_vllm_greedy_on_gsm8k(monkeypatch):
-    from specd.workers.drafters.model import default_drafter_dir
-
+def test_vllm_backend_greedy_equals_vllm_greedy_on_gsm8k(monkeypatch, boot_drafter_dir):
+    """boot_drafter_dir (tests/conftest.py): the token-only model drafter, built when the cache has
+    none, so both drafter kinds run on a fresh machine too."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     prompts, n = gsm8k_prompts(20), 128
     # a fixed γ: whether the goodput default drafts sampled rows after the greedy ones is its own choice
     base = ["target.max_slots=20", "target.max_seq_len=512", "spec.gamma=4", "spec.policy=fixed"]
     reference, _, _ = run_vllm(load_config(base), "none", prompts, n)
     assert all(len(s.output) == n for s in reference)
-    kinds = ["ngram"] + (["model"] if (default_drafter_dir() / "config.json").exists() else [])
-    for kind in kinds:
-        cfg = load_config([*base, f"drafter.kind={kind}"])
+    for kind in ("ngram", "model"):
+        cfg = load_config([*base, f"drafter.kind={kind}", f"drafter.path={boot_drafter_dir}"])
         seqs, records, hot = run_vllm(cfg, "specd", prompts, n, sampled=4)
         assert [s.output for s in seqs] == [s.output for s in reference], f"{kind} drafter changed the output"
         drafted = sum(s.stats.drafted for s in seqs)
