@@ -44,6 +44,7 @@ from specd.workers.drafters.model import read_drafter_version, resolve_drafter_d
 from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import Draft, FinishReason, NewRequest, VerifyResult
 from specd.workers.engine.vllm_link import (
+    PrefixHasher,
     ProposerLink,
     drop_proposer_link,
     prefix_key,
@@ -408,11 +409,12 @@ class VllmEngine:
         accepted = list(metrics.per_step_accepted) if metrics is not None else []
         steps = align_steps(deltas, list(zip(drafted, accepted, strict=True)))
         seq.stats = RequestStats()
-        history = np.array([*seq.request.prompt_token_ids, *(t for d in deltas for t in d)], dtype=np.int32)
-        end = len(seq.request.prompt_token_ids) + len(deltas[0]) if deltas else 0
+        # the key of the history before each step, fed step by step: O(tokens) for the whole request
+        history = PrefixHasher(seq.request.prompt_token_ids)
+        history.update(deltas[0] if deltas else [])
         for (num_drafted, num_accepted), tokens, lps in zip(steps, deltas[1:], logprobs[1:], strict=True):
-            draft = self._filed_draft(seq.request_id, history[:end], num_drafted, num_accepted, tokens)
-            end += len(tokens)
+            draft = self._filed_draft(seq.request_id, history, num_drafted, num_accepted, tokens)
+            history.update(tokens)
             bonus = num_accepted == num_drafted
             version = draft.drafter_version or None
             seq.stats.record_step(num_drafted, num_accepted, bonus, drafter_version=version)
@@ -424,13 +426,13 @@ class VllmEngine:
             # vLLM ended it for a reason Sequence does not model (context full, abort).
             seq.abort(FinishReason.LENGTH if completion.finish_reason == "length" else FinishReason.CANCELLED)
 
-    def _filed_draft(self, request_id: str, history, num_drafted: int, num_accepted: int,
+    def _filed_draft(self, request_id: str, history: PrefixHasher, num_drafted: int, num_accepted: int,
                      emitted: list[int]) -> Draft:
         """The draft a step verified: what the proposer filed after `history` (the prompt and output before
         the step) when it agrees with vLLM's counts and the emitted tokens, else the accepted prefix."""
         if not num_drafted:
             return Draft(request_id, [])
-        filed = self.link.pop(prefix_key(history)) if self.link is not None else None
+        filed = self.link.pop(history.key()) if self.link is not None else None
         seen = min(num_accepted, len(emitted))       # a last step cut by max_tokens shows fewer
         if filed is not None:
             ids, version = filed

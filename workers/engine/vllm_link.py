@@ -31,10 +31,25 @@ from collections.abc import Callable
 import numpy as np
 
 
-def prefix_key(tokens: np.ndarray) -> bytes:
+def prefix_key(tokens) -> bytes:
     """A collision-safe key of a token prefix (int32 bytes, like vLLM's token_ids_cpu rows)."""
-    data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
-    return hashlib.blake2b(data, digest_size=16).digest()
+    return PrefixHasher(tokens).key()
+
+
+class PrefixHasher:
+    """prefix_key of a prefix that grows, fed as it grows: a key costs the new tokens, not the whole
+    prefix again (blake2b hashes a stream, so feeding a prefix in pieces gives the key of the whole)."""
+
+    def __init__(self, tokens=()):
+        self._hash = hashlib.blake2b(digest_size=16)
+        self.update(tokens)
+
+    def update(self, tokens) -> None:
+        # a contiguous int32 row (vLLM's token_ids_cpu) is hashed in place, without a copy
+        self._hash.update(memoryview(np.ascontiguousarray(tokens, dtype=np.int32)))
+
+    def key(self) -> bytes:
+        return self._hash.copy().digest()
 
 
 class ProposerLink:

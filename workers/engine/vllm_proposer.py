@@ -58,7 +58,7 @@ from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.draft_worker import DraftWorker
 from specd.workers.engine.planner import SpeculationPlanner
 from specd.workers.engine.types import DraftItem, NewRequest, SpecParams
-from specd.workers.engine.vllm_link import ProposerLink, prefix_key, proposer_link
+from specd.workers.engine.vllm_link import PrefixHasher, ProposerLink, proposer_link
 
 ENV_SETTINGS = "SPECD_VLLM_PROPOSER_CONFIG"
 PROPOSER_CLASS = f"{__name__}.SpecdProposer"
@@ -185,7 +185,7 @@ class SpecdProposer:
         if self.link.profile is not None:
             self._take_profile()
         self._maybe_swap()
-        rows: list[tuple[int, _Tracked, np.ndarray]] = []
+        rows: list[tuple[int, _Tracked, bytes]] = []      # (row, request, key after this step)
         items: list[DraftItem] = []
         starts: list[tuple[NewRequest, list[int]]] = []
         for i, sampled in enumerate(sampled_token_ids):
@@ -195,7 +195,11 @@ class SpecdProposer:
             history = token_ids_cpu[i, :n]
             # A step emits accepted + 1 tokens and the row may not grow past max_model_len.
             gamma = max(0, min(self.gamma, self.max_model_len - n - 1))
-            before = prefix_key(history[: n - len(sampled)])
+            # one pass over the history per row: the key before this step's tokens, then after them
+            hasher = PrefixHasher(history[: n - len(sampled)])
+            before = hasher.key()
+            hasher.update(history[n - len(sampled):])
+            after = hasher.key()
             seq = self._take(before)
             if seq is None:
                 # a new request's first row: its history before the first token is its prompt
@@ -205,7 +209,7 @@ class SpecdProposer:
                 gamma = min(gamma, seq.gamma_cap)
             seq.idle = 0
             if not seq.enabled:
-                seq.key = prefix_key(history)
+                seq.key = after
                 self.tracked.setdefault(seq.key, []).append(seq)
                 continue
             if seq.key == b"":
@@ -219,7 +223,7 @@ class SpecdProposer:
                 # vLLM may have trimmed the drafts, and whatever it did, the drafter continues from them.
                 accepted = common_prefix(seq.drafted, list(sampled[:-1]))
                 items.append(DraftItem(seq.request_id, gamma, accepted, [int(t) for t in sampled]))
-            rows.append((i, seq, history))
+            rows.append((i, seq, after))
         self._evict(needed=len(starts))
         if starts:
             self.worker.start([r for r, _ in starts], [f for _, f in starts])
@@ -233,9 +237,9 @@ class SpecdProposer:
             self.planner.costs.observe_draft(len(depths), max(depths), drafts[0].draft_seconds)
         self._last_step = ([1 + len(d.tokens) for d in drafts], time.perf_counter()) if whole else None
         out: list[list[int]] = [[] for _ in sampled_token_ids]
-        for (i, seq, history), draft in zip(rows, drafts, strict=True):
+        for (i, seq, after), draft in zip(rows, drafts, strict=True):
             seq.drafted = list(draft.tokens)
-            seq.key = prefix_key(history)
+            seq.key = after
             self.tracked.setdefault(seq.key, []).append(seq)
             out[i] = list(draft.tokens)
             if draft.tokens:

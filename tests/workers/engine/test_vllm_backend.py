@@ -186,7 +186,7 @@ def test_proposer_files_its_drafts_for_the_records(tmp_path, tiny_drafter_dir):
     """Each row's drafts are filed under the key of the history they follow, with the drafting version;
     the engine's read-back takes them when vLLM's counts agree and falls back to the accepted prefix."""
     from specd.workers.engine.vllm_engine import VllmEngine
-    from specd.workers.engine.vllm_proposer import prefix_key
+    from specd.workers.engine.vllm_link import PrefixHasher, prefix_key
 
     proposer = make_proposer(tmp_path, "model", policy="fixed", path=tiny_drafter_dir)
     fake = FakeVllm(PROMPTS[:2], max_new=20)
@@ -194,7 +194,7 @@ def test_proposer_files_its_drafts_for_the_records(tmp_path, tiny_drafter_dir):
     assert proposer.link.serving_version == "tiny-1"
     keys = {r: prefix_key(np.array(fake.histories[r], dtype=np.int32)) for r in drafts}
     engine = SimpleNamespace(link=proposer.link, version=lambda: "configured")
-    history = np.array(fake.histories[0], dtype=np.int32)
+    history = PrefixHasher(fake.histories[0])
     d0 = drafts[0]
     # vLLM kept the first two drafts and emitted a recovered token: the filed ids come back, once
     got = VllmEngine._filed_draft(engine, "a", history, len(d0), 2, [*d0[:2], 99])
@@ -202,10 +202,10 @@ def test_proposer_files_its_drafts_for_the_records(tmp_path, tiny_drafter_dir):
     assert proposer.link.pop(keys[0]) is None
     # counts that disagree with what was filed (or nothing filed): the accepted prefix, configured version
     d1 = drafts[1]
-    history1 = np.array(fake.histories[1], dtype=np.int32)
+    history1 = PrefixHasher(fake.histories[1])
     got = VllmEngine._filed_draft(engine, "b", history1, len(d1) + 1, 1, [d1[0], 5])
     assert got.tokens == [d1[0]] and got.drafter_version == "configured"
-    got = VllmEngine._filed_draft(engine, "c", np.array([1, 2], dtype=np.int32), 3, 0, [5])
+    got = VllmEngine._filed_draft(engine, "c", PrefixHasher([1, 2]), 3, 0, [5])
     assert got.tokens == [] and got.drafter_version == "configured"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specd.workers.engine.vllm_link import ProposerLink, prefix_key, verify_table
+from specd.workers.engine.vllm_link import PrefixHasher, ProposerLink, prefix_key, verify_table
 from tests.workers.engine.test_vllm_backend import MAX_LEN, make_proposer
 
 
@@ -27,6 +27,22 @@ def test_link_files_drafts_once_and_forgets_the_oldest():
         link.put(key, [i], f"v{i}")
     assert len(link) == 2 and link.pop(keys[0]) is None
     assert link.pop(keys[2]) == ([2], "v2") and link.pop(keys[2]) is None
+
+
+def test_a_prefix_fed_in_pieces_has_the_key_of_the_whole():
+    """The proposer and the engine key a growing history step by step; the key must be the one a
+    prefix_key of the whole history gives (the link's other side may compute it either way)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50_000, size=300, dtype=np.int64)
+    hasher = PrefixHasher(tokens[:10].tolist())
+    for start, end in ((10, 11), (11, 40), (40, 40), (40, 300)):
+        hasher.update(tokens[start:end])
+        assert hasher.key() == prefix_key(tokens[:end].astype(np.int32)) == prefix_key(tokens[:end].tolist())
+    assert hasher.key() == hasher.key()               # reading a key does not feed it
+    assert prefix_key([1, 2]) != prefix_key([1, 2, 0]) != prefix_key([2, 1])
+    row = np.zeros((2, 8), dtype=np.int32)
+    row[1, :3] = [7, 8, 9]                            # a slice of a row of vLLM's token_ids_cpu
+    assert prefix_key(row[1, :3]) == prefix_key([7, 8, 9])
 
 
 def _call(proposer, histories: list[list[int]], sampled: list[list[int]]):
