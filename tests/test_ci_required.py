@@ -75,8 +75,21 @@ def test_tests_of_the_real_model_are_marked_slow(tmp_path) -> None:
 
 
 STARTS = '''
-import subprocess, sys
+import subprocess, sys, threading
 import pytest
+
+go, done = threading.Event(), threading.Event()
+
+def _left_running():       # a thread an earlier test (here: the module) left running
+    go.wait()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    done.set()
+
+threading.Thread(target=_left_running, daemon=True).start()
+
+def test_a_process_from_an_earlier_thread_is_not_this_tests():
+    go.set()
+    assert done.wait(60)
 
 @pytest.fixture
 def started_in_setup():
@@ -108,6 +121,6 @@ def test_a_test_that_starts_a_process_must_be_marked_slow(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.ci_required", "-q", "-p",
                           "no:cacheprovider", str(tmp_path / "test_starts.py")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120).stdout
-    assert "1 failed, 3 passed, 1 error" in out, out       # the setup one is an error in setup
+    assert "1 failed, 4 passed, 1 error" in out, out       # the setup one is an error in setup
     assert "test_starts_one_unmarked is not marked slow but its body started a process" in out
     assert "test_setup_starts_one_unmarked is not marked slow but its setup started a process" in out
