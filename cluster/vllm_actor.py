@@ -113,8 +113,10 @@ class VllmTarget:
             }
 
     def load_drafter(self, path: str) -> str:
-        """Hot swap: the proposer loads these weights before its next proposal."""
-        return self.engine.load_drafter(path)
+        """Hot swap: the proposer loads these weights before its next proposal (vLLM's own draft model:
+        at once, between two steps)."""
+        with self._lock:
+            return self.engine.load_drafter(path)
 
     def close(self) -> None:
         self._closed = True

@@ -82,8 +82,10 @@ class TrainPositions(StrEnum):
 @dataclass
 class TargetConfig:
     backend: Backend = Backend.torch    # "torch" (reference engine, trees, exact q) or "vllm"
-    # backend=vllm with speculation on: "specd" (specd's drafter as vLLM's proposer) or "vllm-ngram"
-    # (vLLM's own n-gram proposer, drafter.min_ngram..max_ngram: the baseline of `specd bench serve --vllm`)
+    # backend=vllm with speculation on: "specd" (specd's drafter as vLLM's custom_class proposer),
+    # "vllm-draft-model" (the model drafter as vLLM's own draft_model proposer, versions loaded through vLLM's
+    # draft-weight updates; γ engine-wide, no per-request on/off) or "vllm-ngram" (vLLM's own n-gram
+    # proposer, drafter.min_ngram..max_ngram: the baseline of `specd bench serve --vllm`)
     vllm_speculation: str = "specd"
     model_path: str | None = None       # local HF dir: Llama, Mistral, Qwen2/3, Gemma 3 text; None = SmolLM2
     device: Device = Device.cpu         # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)

@@ -11,6 +11,7 @@ actor in cluster/actors.py.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -133,14 +134,15 @@ class DraftWorker:
         """Follow the online trainer's version store at `root`, a directory or a Redis source such as the
         constructor's `versions` (workers/engine/hot_swap.py): new versions
         are loaded and verified in the background and applied between steps. Returns the serving version."""
+        from specd.workers.drafters.versions import check_fits
         from specd.workers.engine.hot_swap import DrafterSwapper
 
         weights = self.drafter.weights_drafter
         if weights is None:
             raise ValueError(f"drafter kind {type(self.drafter).__name__} has no weights to swap")
         if self._swapper is None:
-            model = weights.runner.model
-            self._swapper = DrafterSwapper(root, target_model_dir, model, weights.version, poll_s,
+            fits = functools.partial(check_fits, weights.runner.model)
+            self._swapper = DrafterSwapper(root, target_model_dir, fits, weights.version, poll_s,
                                            cache_root=self._versions_root()).start()
         return weights.version
 

@@ -15,25 +15,27 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from specd.workers.drafters.redis_versions import SourceUnavailable, version_source
-from specd.workers.drafters.versions import VersionError, check_fits, load_version
+from specd.workers.drafters.versions import VersionError, load_version
 
 log = logging.getLogger(__name__)
 
 
 class DrafterSwapper:
-    def __init__(self, root: str | Path | dict, target_dir: str | Path, model, serving_version: str,
-                 poll_s: float = 2.0, cache_root: str | Path | None = None):
-        """model: the running drafter's specd.workers.models.llama.Llama (tensors are checked against it).
+    def __init__(self, root: str | Path | dict, target_dir: str | Path, fits: Callable[[dict], None],
+                 serving_version: str, poll_s: float = 2.0, cache_root: str | Path | None = None):
+        """fits(tensors): raises VersionError unless a version's tensors can load into the running drafter
+        (versions.check_fits against its Llama; vllm_native.py against the served checkpoint).
         root: a store directory, or a Redis source (redis_versions.version_source) downloading into
         cache_root."""
         self.source = version_source(root, cache_root)
         self.target_dir = Path(target_dir)
-        self.model = model
+        self.fits = fits
         self.serving = serving_version
         self.poll_s = poll_s
         self.rejected: dict[str, str] = {}       # version -> reason
@@ -69,7 +71,7 @@ class DrafterSwapper:
             return None
         try:
             tensors, meta = load_version(self.source.version_dir(wanted), self.target_dir)
-            check_fits(self.model, tensors)
+            self.fits(tensors)
         except SourceUnavailable:      # Redis away while downloading: not the version's fault, next poll
             return None
         except (VersionError, OSError, ValueError, KeyError) as exc:

@@ -16,8 +16,10 @@ record of online distillation, carrying the target's top-k log-probabilities whe
 for the step (workers/engine/vllm_link.py); where it filed none, the accepted prefix, the only drafts the
 output shows, and the configured version.
 
-Speculation modes: "specd" (specd's drafter, the default when spec.enabled), "vllm-ngram" (vLLM's own
-prompt lookup, for comparison) and "none" (vLLM autoregressive, the baseline).
+Speculation modes: "specd" (specd's drafter, the default when spec.enabled), "vllm-draft-model" (specd's
+model drafter exported as a plain checkpoint for vLLM's own draft_model proposer, new versions loaded by
+vLLM's draft-weight update calls: vllm_native.py), "vllm-ngram" (vLLM's own prompt lookup, for
+comparison) and "none" (vLLM autoregressive, the baseline).
 Limits (vLLM's interface): drafts are verified as one-hot, so drafts are greedy and sampled drafts with q
 and token trees stay torch-backend features; γ policy and budget are engine-wide, not per request; the
 drafter runs in line with the target (no two-group pipeline).
@@ -51,11 +53,12 @@ from specd.workers.engine.vllm_link import (
     proposer_link,
     verify_table,
 )
+from specd.workers.engine.vllm_native import NativeDrafter
 from specd.workers.engine.vllm_proposer import ENV_SETTINGS, PROPOSER_CLASS, ProposerSettings
 from specd.workers.models.device_settings import resolve_dtype
 from specd.workers.models.loader import ensure_target_model
 
-SPECULATION_MODES = ("specd", "vllm-ngram", "none")
+SPECULATION_MODES = ("specd", "vllm-draft-model", "vllm-ngram", "none")
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +98,13 @@ def drafter_version(cfg) -> str:
     return cfg.drafter.kind
 
 
-def speculative_config(cfg, mode: str) -> dict | None:
-    """vLLM's speculative_config for a mode; γ budget = spec.gamma (the policy plans within it)."""
+def speculative_config(cfg, mode: str, draft_dir: str | Path | None = None) -> dict | None:
+    """vLLM's speculative_config for a mode; γ budget = spec.gamma (the policy plans within it).
+    draft_dir: the exported checkpoint of "vllm-draft-model"."""
     if mode == "none" or not cfg.spec.enabled:
         return None
+    if mode == "vllm-draft-model":
+        return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": cfg.spec.gamma}
     if mode == "vllm-ngram":
         return {
             "method": "ngram",
@@ -170,10 +176,15 @@ class VllmEngine:
         self.eos_token_ids = tuple(eos_token_ids(self.model_dir))
         self._tmp = Path(tempfile.mkdtemp(prefix="specd-vllm-"))
         self.swap_file = self._tmp / "drafter-swap.json"
-        spec_cfg = speculative_config(cfg, self.mode)
+        # "vllm-draft-model": the drafter as vLLM's own draft model, following the version store
+        self.native = (NativeDrafter(cfg, self.model_dir, self._tmp, versions)
+                       if self.mode == "vllm-draft-model" and cfg.spec.enabled else None)
+        spec_cfg = speculative_config(cfg, self.mode, self.native.export_dir if self.native else None)
         if spec_cfg is None:
             self.mode = "none"
         self.drafter_version = drafter_version(cfg) if self.mode == "specd" else None
+        if self.native is not None:
+            self.drafter_version = self.native.version
         self._settings_path = str(self._tmp / "proposer.json")
         # filled by the proposer when it runs in this process (see the module's docstring)
         self.link: ProposerLink | None = proposer_link(self._settings_path) if self.mode == "specd" else None
@@ -199,6 +210,8 @@ class VllmEngine:
             )
         if spec_cfg is not None:
             kwargs["per_request_spec_decode_metrics"] = "detailed"
+        if self.native is not None:
+            kwargs.update(self.native.engine_kwargs())
         kwargs.update(llm_kwargs or {})
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
@@ -231,17 +244,25 @@ class VllmEngine:
 
     def version(self) -> str | None:
         """The version drafting now: the proposer's, after a swap too, where it shares this process."""
+        if self.native is not None:
+            return self.native.version
         live = self.link.serving_version if self.link is not None else None
         return live or self.drafter_version
 
     def swap_stats(self) -> dict:
         """The proposer's hot swaps (DraftWorker.swap_stats) where it shares this process, else none."""
+        if self.native is not None:
+            return self.native.swap_stats()
         if self.link is not None and self.link.in_process():
             return self.link.swap_stats()
         return {"version": self.version(), "swaps": 0, "rejected": {}}
 
     def load_drafter(self, path: str | Path) -> str:
-        """Hot swap: the proposer loads these weights before its next proposal (model drafter only)."""
+        """Hot swap: the proposer loads these weights before its next proposal (model drafter only); with
+        vLLM's own draft model, at once (call it between steps)."""
+        if self.native is not None:
+            self.drafter_version = self.native.load_dir(self.llm.llm_engine, path)
+            return self.drafter_version
         if self.mode != "specd" or self.cfg.drafter.kind != "model":
             raise RuntimeError("only a specd model drafter has weights to swap")
         before = self.swap_file.stat().st_mtime_ns if self.swap_file.exists() else 0
@@ -254,6 +275,8 @@ class VllmEngine:
 
     def close(self) -> None:
         engine = getattr(getattr(self, "llm", None), "llm_engine", None)
+        if getattr(self, "native", None) is not None:
+            self.native.close()
         if engine is not None:
             engine.engine_core.shutdown()
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -384,6 +407,8 @@ class VllmEngine:
         on_record: Callable[[Sequence, Draft, VerifyResult], None] | None = None,
     ) -> list[Sequence]:
         """One vLLM engine step: emit each running request's new tokens; returns the requests it finished."""
+        if self.native is not None:
+            self.native.apply_pending(self.llm.llm_engine)    # between steps: one version per step
         finished = []
         for out in self.llm.llm_engine.step():
             if out.request_id not in self._live:
