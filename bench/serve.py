@@ -368,6 +368,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="specd on vLLM against vLLM alone and vLLM's n-gram, three servers "
                              "(bench/serve_vllm.py); --requests per client count")
     parser.add_argument("--vllm-clients", default="4,16", help="--vllm: client counts (default 4,16)")
+    parser.add_argument("--vllm-systems", default="",
+                        help="--vllm: comma-separated servers besides vllm (default: vllm-ngram, specd-vllm, "
+                             "specd-draft-model)")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. drafter.kind=ngram")
 
 

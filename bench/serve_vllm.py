@@ -7,6 +7,10 @@ server as `specd bench serve`'s target-only phase does: three servers run one af
     vllm          spec.enabled=false: vLLM alone (its continuous batching, paged KV cache and kernels)
     vllm-ngram    target.vllm_speculation=vllm-ngram: vLLM's own n-gram proposer
     specd-vllm    specd's drafter as vLLM's custom_class proposer (the configured drafter and γ policy)
+    specd-draft-model  target.vllm_speculation=vllm-draft-model: specd's model drafter on vLLM's own
+                  draft_model proposer (spec.gamma every step)
+
+`--vllm-systems` picks among them (vllm, the baseline, always runs).
 
 On each server, every `--vllm-clients` count streams its own slice of the held-out prompts (greedy, EOS
 ignored): the slices differ between client counts and rounds, so a drafter that learns from traffic (the
@@ -36,7 +40,9 @@ SYSTEMS = {
     "vllm": ["spec.enabled=false"],
     "vllm-ngram": ["target.vllm_speculation=vllm-ngram"],
     "specd-vllm": [],
+    "specd-draft-model": ["target.vllm_speculation=vllm-draft-model"],
 }
+SPECULATIVE = [name for name in SYSTEMS if name != "vllm"]
 # what every server of this bench runs with before the operator's overrides: the vLLM target, enough
 # slots for the largest client count, and no replay or trainer (online learning on vLLM is measured
 # elsewhere; these figures are serving speed)
@@ -55,7 +61,7 @@ def ratios(results: dict[str, dict], clients: list[int]) -> dict[str, float]:
     out = {}
     for n in clients:
         base = results.get(f"vllm c{n}")
-        for system in ("vllm-ngram", "specd-vllm"):
+        for system in SPECULATIVE:
             row = results.get(f"{system} c{n}")
             if base and row and base["tokens_per_s"] > 0:
                 out[f"{system}_vs_vllm_c{n}"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -67,7 +73,7 @@ def round_ratios(results: dict[str, dict], clients: list[int]) -> dict[str, obje
     out: dict[str, object] = {}
     for n in clients:
         base = results.get(f"vllm c{n}", {}).get("rounds")
-        for system in ("vllm-ngram", "specd-vllm"):
+        for system in SPECULATIVE:
             mine = results.get(f"{system} c{n}", {}).get("rounds")
             if base and mine:
                 per = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(mine, base, strict=True)
@@ -97,9 +103,10 @@ def write_plot(path: Path, results: dict[str, dict], clients: list[int]) -> Path
     from specd.bench.report import save_figure
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    width = 0.8 / len(SYSTEMS)
-    for i, system in enumerate(SYSTEMS):
-        xs = [c + (i - (len(SYSTEMS) - 1) / 2) * width for c in range(len(clients))]
+    shown = [s for s in SYSTEMS if any(f"{s} c{n}" in results for n in clients)]
+    width = 0.8 / len(shown)
+    for i, system in enumerate(shown):
+        xs = [c + (i - (len(shown) - 1) / 2) * width for c in range(len(clients))]
         ax.bar(xs, [results.get(f"{system} c{n}", {}).get("tokens_per_s", 0.0) for n in clients], width,
                label=system)
     ax.set_xticks(range(len(clients)))
@@ -120,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
     from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
     clients = [int(c) for c in str(args.vllm_clients).split(",") if c]
+    wanted = [s for s in str(getattr(args, "vllm_systems", "") or ",".join(SYSTEMS)).split(",") if s]
+    unknown = sorted(set(wanted) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown --vllm-systems {unknown}; known: {', '.join(SYSTEMS)}")
+    systems = ["vllm", *[s for s in SYSTEMS if s in wanted and s != "vllm"]]
     rounds = max(1, args.rounds)
     overrides = list(args.overrides)
     cfg = load_config([*BASE, *overrides])
@@ -134,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     for r in range(rounds):
         # a fresh server per system and round; odd rounds reverse the order, so a machine that speeds up or
         # slows down over the run favours no server
-        for system in (list(SYSTEMS) if r % 2 == 0 else list(SYSTEMS)[::-1]):
+        for system in (systems if r % 2 == 0 else systems[::-1]):
             log = logs / f"{system}-{r + 1}.log"
             server = ServerProcess(server_overrides(system, overrides, max(clients)), log)
             try:

@@ -211,8 +211,8 @@ def _spec(opts: serving_pb2.SpeculationOptions, bounds: Bounds) -> SpecParams:
     if fixed and (enabled != bounds.spec_enabled or gamma != bounds.gamma_default):
         field = "enabled" if enabled != bounds.spec_enabled else "gamma"
         raise InvalidRequest(f"speculation.{field} cannot be set per request on this server: its vLLM "
-                             "engine's proposer runs outside the serving process, where request settings "
-                             "do not reach it (speculation is engine-wide here)")
+                             "engine's proposer does not hear request settings (vLLM's own proposer, or "
+                             "specd's outside the serving process): speculation is engine-wide here")
     if not bounds.gamma_min <= gamma <= bounds.gamma_max:
         raise InvalidRequest(f"gamma must be in [{bounds.gamma_min}, {bounds.gamma_max}], got {gamma}")
     width = opts.tree_width if opts.HasField("tree_width") else bounds.tree_width_default

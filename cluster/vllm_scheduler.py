@@ -48,6 +48,10 @@ def vllm_limits(cfg) -> list[str]:
                f"(spec.policy={cfg.spec.policy}; requests are refused otherwise)")
     if cfg.server.pipeline_groups > 1:
         out.append("server.pipeline_groups: vLLM runs the drafter in line with the target")
+    if cfg.target.vllm_speculation == "vllm-draft-model":
+        out.append(f"spec.policy={cfg.spec.policy}, the suffix index and per-request speculation settings: "
+                   f"vLLM's own draft_model proposer drafts spec.gamma={cfg.spec.gamma} tokens every step "
+                   "(requests that set speculation.enabled or gamma are refused)")
     return out
 
 

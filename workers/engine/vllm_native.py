@@ -47,7 +47,9 @@ class NativeDrafter:
         """target_dir: the served target (versions are checked against its checksum). versions: the
         published version store to follow (a directory or a Redis source; None: keep the drafter it
         starts with)."""
-        if cfg.drafter.kind != "model":
+        # the suffix drafter (the default) combines the suffix index with a model drafter: vLLM's proposer
+        # takes the model part (the index has no place in it; vllm_limits says so at start)
+        if cfg.drafter.kind not in ("model", "suffix"):
             raise ValueError(f"target.vllm_speculation=vllm-draft-model serves a model drafter; drafter.kind "
                              f"is {cfg.drafter.kind!r} (use target.vllm_speculation=specd for it)")
         self.source_dir = resolve_drafter_dir(cfg.drafter.path, cfg.cache_dir, False)
