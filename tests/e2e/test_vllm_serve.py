@@ -90,21 +90,28 @@ def server(request, tmp_path_factory, boot_drafter_dir):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def chat_ids():
+    """PROMPTS as chat-templated token ids (the target's own template)."""
+    from specd.workers.models.chat import ChatCodec
+    from specd.workers.models.loader import ensure_target_model, load_tokenizer
+
+    codec = ChatCodec(load_tokenizer(ensure_target_model(None)))
+    return [codec.render_chat([{"role": "user", "content": prompt}]) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(chat_ids):
     """Target-only greedy continuations of PROMPTS (transformers, float32), cut after the first EOS."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specd.workers.models.chat import ChatCodec
-    from specd.workers.models.loader import ensure_target_model, load_tokenizer
+    from specd.workers.models.loader import ensure_target_model
 
     model_dir = ensure_target_model(None)
-    codec = ChatCodec(load_tokenizer(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     eos = set(eos_token_ids(model_dir))
     out = []
-    for prompt in PROMPTS:
-        prompt_ids = codec.render_chat([{"role": "user", "content": prompt}])
+    for prompt_ids in chat_ids:
         with torch.inference_mode():
             ref = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)
         ref = ref[0, len(prompt_ids):].tolist()
@@ -141,8 +148,11 @@ def test_serving_with_the_vllm_backend(server) -> None:
     assert info["config"]["target.vllm_speculation"] == server["mode"]
 
 
-def test_concurrent_unary_and_streaming_greedy_equal_target_only(server, reference) -> None:
+def test_concurrent_unary_and_streaming_greedy_equal_target_only(server, reference, chat_ids) -> None:
     c = server["client"]
+    # chat-templated prompts sent as token ids: the same ids as transformers' greedy
+    for ids, ref in zip(chat_ids, reference, strict=True):
+        assert c.generate(token_ids=ids, max_new_tokens=24).token_ids == ref
 
     def streamed(prompt):
         chunks = list(c.stream(prompt, max_new_tokens=24))

@@ -118,7 +118,8 @@ def speculative_config(cfg, mode: str, draft_dir: str | Path | None = None) -> d
 
 
 def proposer_settings(
-    cfg, model_dir: str | Path, max_running: int, swap_file: str | None, versions: str | dict | None = None
+    cfg, model_dir: str | Path, max_running: int, swap_file: str | None, versions: str | dict | None = None,
+    status_file: str | None = None,
 ) -> ProposerSettings:
     drafter = asdict(cfg.drafter)
     # vLLM does not hand its hidden states to a proposer: by default it takes the token-only drafter.
@@ -134,6 +135,7 @@ def proposer_settings(
         seed=cfg.seed,
         swap_file=swap_file,
         versions=versions,
+        status_file=status_file,
     )
 
 
@@ -176,6 +178,8 @@ class VllmEngine:
         self.eos_token_ids = tuple(eos_token_ids(self.model_dir))
         self._tmp = Path(tempfile.mkdtemp(prefix="specd-vllm-"))
         self.swap_file = self._tmp / "drafter-swap.json"
+        self.status_file = self._tmp / "proposer-status.json"   # the proposer's version, any process layout
+        self._status: tuple[int | None, dict] = (None, {})       # (mtime, contents) last read
         # "vllm-draft-model": the drafter as vLLM's own draft model, following the version store
         self.native = (NativeDrafter(cfg, self.model_dir, self._tmp, versions)
                        if self.mode == "vllm-draft-model" and cfg.spec.enabled else None)
@@ -189,7 +193,8 @@ class VllmEngine:
         # filled by the proposer when it runs in this process (see the module's docstring)
         self.link: ProposerLink | None = proposer_link(self._settings_path) if self.mode == "specd" else None
         if self.mode == "specd":
-            settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file), versions)
+            settings = proposer_settings(cfg, self.model_dir, self.max_running, str(self.swap_file), versions,
+                                         str(self.status_file))
             # vLLM builds the proposer in its worker process, which inherits this environment.
             os.environ[ENV_SETTINGS] = str(settings.write(self._settings_path))
         kwargs = dict(
@@ -247,7 +252,7 @@ class VllmEngine:
         if self.native is not None:
             return self.native.version
         live = self.link.serving_version if self.link is not None else None
-        return live or self.drafter_version
+        return live or self._proposer_status().get("version") or self.drafter_version
 
     def swap_stats(self) -> dict:
         """The proposer's hot swaps (DraftWorker.swap_stats) where it shares this process, else none."""
@@ -255,7 +260,19 @@ class VllmEngine:
             return self.native.swap_stats()
         if self.link is not None and self.link.in_process():
             return self.link.swap_stats()
-        return {"version": self.version(), "swaps": 0, "rejected": {}}
+        status = self._proposer_status()
+        return {"version": self.version(), "swaps": status.get("swaps", 0),
+                "rejected": status.get("rejected", {})}
+
+    def _proposer_status(self) -> dict:
+        """What a proposer in another process wrote of its drafter (vllm_proposer._write_status), or {}."""
+        try:
+            mtime = self.status_file.stat().st_mtime_ns
+        except FileNotFoundError:
+            return {}
+        if self._status[0] != mtime:
+            self._status = (mtime, json.loads(self.status_file.read_text()))
+        return self._status[1]
 
     def load_drafter(self, path: str | Path) -> str:
         """Hot swap: the proposer loads these weights before its next proposal (model drafter only); with

@@ -81,6 +81,9 @@ class ProposerSettings:
     # watches its CURRENT and applies new versions between steps, as on the torch backend.
     versions: str | dict | None = None
     versions_poll_s: float = 2.0
+    # {"version", "swaps", "rejected"} of the drafter, rewritten when its version changes: how the engine
+    # learns which weights draft where the proposer runs in a process of vLLM's own (no ProposerLink)
+    status_file: str | None = None
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -163,6 +166,7 @@ class SpecdProposer:
         self.tracked: dict[bytes, list[_Tracked]] = {}
         self._next_id = 0
         self._swap_mtime = self._swap_stat()
+        self._status_version: str | None = None      # the version last written to settings.status_file
         self.calls = 0
 
     # ---- vLLM's interface -----------------------------------------------------------------------
@@ -245,7 +249,20 @@ class SpecdProposer:
             if draft.tokens:
                 self.link.put(seq.key, out[i], draft.drafter_version)
         self.link.serving_version = self.serving_version()
+        self._write_status()
         return out
+
+    def _write_status(self) -> None:
+        """The serving version and swaps into settings.status_file when they changed (atomic rename)."""
+        path = self.settings.status_file
+        version = self.link.serving_version
+        if not path or version == self._status_version:
+            return
+        self._status_version = version
+        status = {**self.worker.swap_stats(), "version": version}
+        tmp = Path(f"{path}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(status))
+        os.replace(tmp, path)
 
     def serving_version(self) -> str:
         """The version of the weights drafting now (a swap changes it), else the drafter's own."""

@@ -100,3 +100,43 @@ def test_native_draft_model_is_exact_and_follows_published_versions(tmp_path, mo
         assert [s.output for s in generate(engine, prompts[:1], n)] == reference[:1]
     finally:
         engine.close()
+
+
+def test_custom_class_proposer_out_of_process_reports_its_versions(tmp_path, monkeypatch, boot_drafter_dir):
+    """specd's proposer in vLLM's own engine process (VLLM_ENABLE_V1_MULTIPROCESSING=1, the layout of
+    tensor parallelism): no ProposerLink reaches it, yet the engine reports the version that drafts after
+    a swap, and the steps' records carry it (vllm_proposer's status file)."""
+    from specd.drafter_trainer.drafter_format import load_drafter
+    from specd.drafter_trainer.publish import VersionStore
+    from specd.workers.drafters.versions import target_checksum
+    from specd.workers.engine.vllm_engine import VllmEngine
+    from specd.workers.models.loader import ensure_target_model
+    from tests.workers.engine.test_vllm_backend import gsm8k_prompts
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    prompts, n = gsm8k_prompts(2), 32
+    cfg = load_config(["target.max_slots=4", "target.max_seq_len=512", "spec.gamma=3", "spec.policy=fixed",
+                       "drafter.kind=model", f"drafter.path={boot_drafter_dir}"])
+    store = VersionStore(tmp_path / "store")
+    state, config, _ = load_drafter(boot_drafter_dir)
+    engine = VllmEngine(cfg, speculation="specd", versions=str(store.root))
+    try:
+        assert not engine.link.in_process() and not engine.info()["per_request_speculation"]
+        generate(engine, prompts, n)
+        start = engine.version()
+        torch.manual_seed(0)
+        moved = {k: (v + torch.randn_like(v) * 0.01 if v.is_floating_point() else v)
+                 for k, v in state.items()}
+        new = store.publish(moved, config, version=None, parent=None,
+                            target_checksum=target_checksum(ensure_target_model()))
+        deadline = time.monotonic() + 120
+        while engine.version() != new:          # the proposer polls the store and swaps at a propose call
+            assert time.monotonic() < deadline, f"the engine still reports {engine.version()}"
+            generate(engine, prompts[:1], 8)
+        assert new != start and engine.swap_stats()["swaps"] == 1
+        records: list = []
+        generate(engine, prompts, n, records)
+        assert {d.drafter_version for d, r in records if r.num_drafted} == {new}
+    finally:
+        engine.close()

@@ -3,6 +3,7 @@ applied between two propose() calls, and drafting goes on across the swap (no vL
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,6 +27,8 @@ def test_published_version_drafts_after_a_swap(tmp_path, tiny_llama_dir):
                        "spec.gamma_min=3", "target.max_seq_len=128"])
     settings = proposer_settings(cfg, tiny_llama_dir, max_running=2, swap_file=None, versions=str(store.root))
     settings.versions_poll_s = 3600.0          # checked by hand below
+    status = tmp_path / "status.json"           # what a proposer in vLLM's own process tells the engine
+    settings.status_file = str(status)
     vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=128),
                                   speculative_config=SimpleNamespace(num_speculative_tokens=3))
     proposer = SpecdProposer(vllm_config, settings)
@@ -37,6 +40,7 @@ def test_published_version_drafts_after_a_swap(tmp_path, tiny_llama_dir):
     history[0, :6] = [5, 9, 11, 3, 7, 2]
     first = proposer.propose([[2]], np.array([6]), history)
     assert len(first[0]) == 3
+    assert json.loads(status.read_text()) == {"version": start, "swaps": 0, "rejected": {}}
 
     state, config, _ = load_drafter(token_dir)
     torch.manual_seed(0)
@@ -50,3 +54,4 @@ def test_published_version_drafts_after_a_swap(tmp_path, tiny_llama_dir):
     second = proposer.propose([[first[0][0], 4]], np.array([8]), history)
     assert proposer.worker.version() == new != start
     assert len(second[0]) == 3                  # the same request kept drafting across the swap
+    assert json.loads(status.read_text()) == {"version": new, "swaps": 1, "rejected": {}}
