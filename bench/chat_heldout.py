@@ -8,7 +8,11 @@ One server in the configuration given (default: the default), then three phases:
    traffic the trainer learns from (speculation on, as users get it);
 3. after: the other half of the held-out prompts, on then off, as in 1.
 The speed-up of a phase is its target-only time over its speculative time for the same tokens (and the
-median of the per-prompt ratios). `specd bench chat --json PATH` writes every figure and a PNG beside it.
+median of the per-prompt ratios). Each phase also reads the server's drafted and accepted tokens per
+drafter version from /metrics before and after it: which source drafted (the suffix index's drafts carry
+no version, "none"; the model drafter's carry its boot- or online- version) and how often it was right,
+figures that do not depend on timing. `specd bench chat --json PATH` writes every figure and a PNG
+beside it.
 
 Issue 61 asks for >= 1.4x after 200 requests and >= 1.05x fresh on this 2-core CPU; docs/benchmarks.md
 keeps the runs.
@@ -18,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -87,22 +93,62 @@ def on_then_off(address: str, prompts: list, max_new_tokens: int, label: str) ->
     }
 
 
+def by_version(metrics_url: str) -> dict[str, dict[str, float]]:
+    """{drafter_version: {"drafted", "accepted"}} from the server's Prometheus counters ({} without them)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not metrics_url:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    for family in text_string_to_metric_families(text):
+        key = {"specd_drafted_tokens": "drafted", "specd_accepted_tokens": "accepted"}.get(family.name)
+        for sample in family.samples if key else ():
+            if sample.name.endswith("_total"):
+                version = sample.labels.get("drafter_version") or "none"
+                out.setdefault(version, {"drafted": 0.0, "accepted": 0.0})[key] += sample.value
+    return out
+
+
+def phase_sources(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Per drafter version, what a phase drafted and accepted (the counters' growth) and its α."""
+    out = {}
+    for version, now in after.items():
+        was = before.get(version, {"drafted": 0.0, "accepted": 0.0})
+        drafted, accepted = now["drafted"] - was["drafted"], now["accepted"] - was["accepted"]
+        if drafted > 0:
+            out[version] = {"drafted": drafted, "accepted": accepted, "acceptance_rate": accepted / drafted}
+    return out
+
+
 def run_bench(args: argparse.Namespace) -> int:
     fresh_prompts, after_prompts = heldout_halves(args.prompts)
     stream = stream_prompts(args.stream)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="specd-bench-chat-"))
     logs.mkdir(parents=True, exist_ok=True)
-    overrides = [*args.overrides, "server.port=0", "server.metrics_port=0", "server.http_port=null"]
+    with socket.socket() as s:               # a free port for /metrics (0 would turn the endpoint off)
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    overrides = [*args.overrides, "server.port=0", f"server.metrics_port={metrics_port}",
+                 "server.http_port=null"]
     started = time.time()
     server = ServerProcess(overrides, logs / "server.log")
     try:
+        counts = [by_version(server.metrics_url)]
         fresh = on_then_off(server.address, fresh_prompts, args.max_new_tokens, "fresh (on, off)")
+        counts.append(by_version(server.metrics_url))
         streamed = asyncio.run(run_phase(server.address, stream, args.clients,
                                          [args.max_new_tokens] * len(stream), True, "stream"))
         streamed.pop("_timings", None)
+        counts.append(by_version(server.metrics_url))
         after = on_then_off(server.address, after_prompts, args.max_new_tokens, "after (on, off)")
+        counts.append(by_version(server.metrics_url))
     finally:
         server.stop()
+    for phase, (before, now) in zip((fresh, streamed, after), itertools.pairwise(counts), strict=True):
+        phase["sources"] = phase_sources(before, now)
     result = {"fresh": fresh, "stream": streamed, "after": after}
     for name in ("fresh", "after"):
         r = result[name]
@@ -113,6 +159,10 @@ def run_bench(args: argparse.Namespace) -> int:
               f"{r['greedy_mismatches']} greedy mismatches")
     print(f"stream: {streamed['tokens_per_s']:.1f} tok/s over {streamed['requests']} requests from "
           f"{args.clients} clients, α {streamed['acceptance_rate']:.2f}")
+    for name in ("fresh", "stream", "after"):
+        shown = ", ".join(f"{v} {c['drafted']:.0f} drafted α {c['acceptance_rate']:.2f}"
+                          for v, c in result[name]["sources"].items())
+        print(f"{name} by drafter version: {shown or 'none drafted'}")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

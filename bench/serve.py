@@ -202,6 +202,7 @@ class ServerProcess:
     """`python -m specd.cluster.serve` as a child process; the address is read from its ready line."""
 
     READY = re.compile(r"specd serving .*? on (\S+?)(,|$)")
+    METRICS = re.compile(r"metrics on (\S+/metrics)")
 
     def __init__(self, overrides: list[str], log_path: Path, timeout_s: float = 1800):
         self.log_path = log_path
@@ -210,11 +211,14 @@ class ServerProcess:
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         deadline = time.monotonic() + timeout_s
         self.address = ""
+        self.metrics_url = ""          # the Prometheus endpoint, where the server exposes one
         for line in self.proc.stdout:
             self.log.write(line)
             match = self.READY.search(line)
             if match:
                 self.address = match.group(1)
+                metrics = self.METRICS.search(line)
+                self.metrics_url = metrics.group(1) if metrics else ""
                 break
             if time.monotonic() > deadline:
                 break

@@ -56,3 +56,26 @@ def test_the_plot(tmp_path) -> None:
     result = {name: {"per_prompt": per_prompt, "speedup": 1.2} for name in ("fresh", "after")}
     chat_heldout.plot(result, tmp_path / "chat.png")
     assert (tmp_path / "chat.png").stat().st_size > 1000
+
+
+def test_a_phase_reads_each_drafter_versions_drafts_from_the_servers_counters(monkeypatch) -> None:
+    """The counters the router exports (cluster/metrics.py's names and label), read as Prometheus text."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    drafted = Counter("specd_drafted_tokens", "d", ["drafter_version"], registry=registry)
+    accepted = Counter("specd_accepted_tokens", "a", ["drafter_version"], registry=registry)
+    monkeypatch.setattr("urllib.request.urlopen",
+                        lambda url, timeout: SimpleNamespace(read=lambda: generate_latest(registry)))
+    drafted.labels("").inc(10)                      # the suffix index's drafts carry no version
+    accepted.labels("").inc(4)
+    before = chat_heldout.by_version("http://x/metrics")
+    assert before == {"none": {"drafted": 10.0, "accepted": 4.0}}
+    drafted.labels("").inc(10)
+    drafted.labels("online-3").inc(20)
+    accepted.labels("online-3").inc(5)
+    now = chat_heldout.by_version("http://x/metrics")
+    assert chat_heldout.phase_sources(before, now) == {
+        "none": {"drafted": 10.0, "accepted": 0.0, "acceptance_rate": 0.0},
+        "online-3": {"drafted": 20.0, "accepted": 5.0, "acceptance_rate": 0.25}}
+    assert chat_heldout.by_version("") == {}
