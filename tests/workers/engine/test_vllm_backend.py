@@ -16,8 +16,9 @@ from specd.configs import load_config
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.drafters.model import ModelDrafter
 from specd.workers.drafters.ngram import NGramDrafter
-from specd.workers.engine.vllm_engine import align_steps, proposer_settings, topk_lists, vllm_missing
+from specd.workers.engine.vllm_engine import proposer_settings, vllm_missing
 from specd.workers.engine.vllm_proposer import SpecdProposer, common_prefix
+from specd.workers.engine.vllm_steps import align_steps, topk_lists
 
 MAX_LEN = 256
 
