@@ -9,10 +9,10 @@ One server in the configuration given (default: the default), then three phases:
 3. after: the other half of the held-out prompts, on then off, as in 1.
 The speed-up of a phase is its target-only time over its speculative time for the same tokens (and the
 median of the per-prompt ratios). Each phase also reads the server's drafted and accepted tokens per
-drafter version from /metrics before and after it: which source drafted (the suffix index's drafts carry
-no version, "none"; the model drafter's carry its boot- or online- version) and how often it was right,
-figures that do not depend on timing. `specd bench chat --json PATH` writes every figure and a PNG
-beside it.
+drafter version from /metrics before and after it: which source drafted (the suffix index's drafts under
+its `suffix-N` version, the model drafter's under its boot- or online- version, a draft without one under
+"none") and how often it was right, figures that do not depend on timing. `specd bench chat --json PATH`
+writes every figure and a PNG beside it.
 
 Issue 61 asks for >= 1.4x after 200 requests and >= 1.05x fresh on this 2-core CPU; docs/benchmarks.md
 keeps the runs.

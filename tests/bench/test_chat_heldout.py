@@ -67,15 +67,17 @@ def test_a_phase_reads_each_drafter_versions_drafts_from_the_servers_counters(mo
     accepted = Counter("specd_accepted_tokens", "a", ["drafter_version"], registry=registry)
     monkeypatch.setattr("urllib.request.urlopen",
                         lambda url, timeout: SimpleNamespace(read=lambda: generate_latest(registry)))
-    drafted.labels("").inc(10)                      # the suffix index's drafts carry no version
+    drafted.labels("").inc(10)                      # a draft that carries no version
     accepted.labels("").inc(4)
     before = chat_heldout.by_version("http://x/metrics")
     assert before == {"none": {"drafted": 10.0, "accepted": 4.0}}
     drafted.labels("").inc(10)
+    drafted.labels("suffix-24").inc(6)              # the suffix index's own version label
     drafted.labels("online-3").inc(20)
     accepted.labels("online-3").inc(5)
     now = chat_heldout.by_version("http://x/metrics")
     assert chat_heldout.phase_sources(before, now) == {
         "none": {"drafted": 10.0, "accepted": 0.0, "acceptance_rate": 0.0},
+        "suffix-24": {"drafted": 6.0, "accepted": 0.0, "acceptance_rate": 0.0},
         "online-3": {"drafted": 20.0, "accepted": 5.0, "acceptance_rate": 0.25}}
     assert chat_heldout.by_version("") == {}
