@@ -50,6 +50,10 @@ async def bring_up_vllm(cfg, res, install_signals):
         raise RuntimeError(f"target.backend=vllm: {missing}")
     for limit in vllm_limits(cfg):
         log.warning("target.backend=vllm does not apply %s", limit)
+    if cfg.spec.enabled and cfg.target.vllm_speculation == "vllm-draft-model" and cfg.target.device == "cpu":
+        log.warning("target.vllm_speculation=vllm-draft-model on a CPU: vLLM's eager draft_model path "
+                    "measured slower than vLLM alone and than specd's proposer there (docs/benchmarks.md); "
+                    "it is meant for GPUs")
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)

@@ -172,3 +172,6 @@ def test_admission_bounds_and_queue():
 def test_limits_are_named_with_their_reasons():
     limits = vllm_limits(load_config(["spec=tree"]))
     assert any("token trees" in x for x in limits) and any("one-hot" in x for x in limits)
+    native = vllm_limits(load_config(["target.vllm_speculation=vllm-draft-model"]))
+    assert any("draft_model proposer drafts spec.gamma" in x and "refused" in x for x in native)
+    assert not any("draft_model" in x for x in limits)
