@@ -65,20 +65,16 @@ def full_vocab_tensors(tensors: dict[str, torch.Tensor],
     return out
 
 
-def export_native_dir(src: str | Path, out: str | Path,
-                      tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write drafter directory `src` (or `tensors` of one of its versions, with src's config and
-    tokenizer) to `out` as a plain Llama checkpoint a draft_model proposer loads; returns `out`."""
+def export_native_dir(src: str | Path, out: str | Path) -> Path:
+    """Write drafter directory `src` to `out` as a plain Llama checkpoint a draft_model proposer loads;
+    returns `out`."""
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())
     for key in SPECD_CONFIG_KEYS:
         config.pop(key, None)
-    if tensors is None:
-        tensors = load_file(str(src / WEIGHTS_FILE))
-    native = full_vocab_tensors(tensors, int(config["vocab_size"]))
     config["tie_word_embeddings"] = False           # the head is its own tensor after the scatter
-    save_file({k: v.contiguous() for k, v in native.items()}, str(out / WEIGHTS_FILE))
+    write_update_file(load_file(str(src / WEIGHTS_FILE)), out / WEIGHTS_FILE, int(config["vocab_size"]))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in src.iterdir():
         if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name != "config.json":
@@ -87,8 +83,9 @@ def export_native_dir(src: str | Path, out: str | Path,
 
 
 def write_update_file(tensors: dict[str, torch.Tensor], path: str | Path, vocab_size: int) -> Path:
-    """A published version's tensors in the exported checkpoint's form, as one safetensors file (what the
-    vLLM weight-transfer engine of vllm_weights.py loads into the running draft model)."""
+    """Tensors of the drafter (or of a published version of it) in the exported checkpoint's form, as one
+    safetensors file: the export's weights, and what the vLLM weight-transfer engine of vllm_weights.py
+    loads into the running draft model."""
     native = full_vocab_tensors(tensors, vocab_size)
     save_file({k: v.contiguous() for k, v in native.items()}, str(path))
     return Path(path)

@@ -60,7 +60,6 @@ class NativeDrafter:
         # a version fits when it has the serving drafter's own tensors (specd form: reduced head and all)
         self._fits = functools.partial(check_same_shapes, tensor_shapes(self.source_dir / WEIGHTS_FILE))
         self.swaps = 0
-        self.failed: dict[str, str] = {}
         self.swapper = None
         if versions is not None:
             from specd.workers.engine.hot_swap import DrafterSwapper
@@ -84,7 +83,6 @@ class NativeDrafter:
         try:
             self._load(llm_engine, tensors, version)
         except Exception as exc:  # vLLM's errors are its own types; the serving version stays on failure
-            self.failed[version] = repr(exc)
             self.swapper.rejected[version] = repr(exc)
             log.exception("drafter version %s failed to load into vLLM's draft model; %s stays",
                           version, self.version)
@@ -112,7 +110,7 @@ class NativeDrafter:
         return version
 
     def swap_stats(self) -> dict:
-        rejected = dict(self.swapper.rejected) if self.swapper is not None else dict(self.failed)
+        rejected = dict(self.swapper.rejected) if self.swapper is not None else {}
         return {"version": self.version, "swaps": self.swaps, "rejected": rejected}
 
     def close(self) -> None:
