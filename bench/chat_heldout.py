@@ -123,6 +123,44 @@ def phase_sources(before: dict, after: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def server_tree(tree: Path, scratch: Path) -> tuple[dict[str, str], str]:
+    """The environment and module with which the server runs the code of another checkout `tree` (a `git
+    worktree` of an older commit, to measure it side by side with this one; the bench's client stays this
+    checkout's). Since 1add2c9 `specd.*` is a namespace package: a folder of links named as the tree's
+    pyproject maps them, first on PYTHONPATH, is found before the installed checkout. Before it the
+    packages were top-level (`cluster.serve`), which nothing installed here shadows; the server then runs
+    in `tree` (`python -m` puts its working directory first on sys.path)."""
+    import tomllib
+
+    setuptools = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]
+    root, module = tree.resolve(), "cluster.serve"
+    if "package-dir" in setuptools:
+        root, module = scratch / "server-tree", "specd.cluster.serve"
+        (root / "specd").mkdir(parents=True, exist_ok=True)
+        for package, folder in setuptools["package-dir"].items():
+            link = root / "specd" / package.removeprefix("specd.")
+            if not link.is_symlink():
+                link.symlink_to((tree / folder).resolve(), target_is_directory=True)
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH", "")]))
+    return {**os.environ, "PYTHONPATH": path}, module
+
+
+def served_commit(tree: str | None) -> str:
+    """The commit the server ran (`<sha>+dirty` with uncommitted changes; "" outside a git checkout)."""
+    import subprocess
+
+    where = Path(tree) if tree else Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(where)]
+    try:
+        sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return f"{sha}+dirty" if dirty else sha
+
+
 def run_bench(args: argparse.Namespace) -> int:
     fresh_prompts, after_prompts = heldout_halves(args.prompts)
     stream = stream_prompts(args.stream)
@@ -131,10 +169,15 @@ def run_bench(args: argparse.Namespace) -> int:
     with socket.socket() as s:               # a free port for /metrics (0 would turn the endpoint off)
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
-    overrides = [*args.overrides, "server.port=0", f"server.metrics_port={metrics_port}",
-                 "server.http_port=null"]
+    overrides = [*args.overrides, "server.port=0", f"server.metrics_port={metrics_port}"]
+    env, module = None, "specd.cluster.serve"
+    if args.server_tree:
+        env, module = server_tree(Path(args.server_tree), logs)
+    if not args.server_tree or "http_port" in (Path(args.server_tree) / "configs" / "schema.py").read_text():
+        overrides.append("server.http_port=null")
     started = time.time()
-    server = ServerProcess(overrides, logs / "server.log")
+    server = ServerProcess(overrides, logs / "server.log", env=env, module=module,
+                           cwd=Path(args.server_tree).resolve() if args.server_tree else None)
     try:
         counts = [by_version(server.metrics_url)]
         fresh = on_then_off(server.address, fresh_prompts, args.max_new_tokens, "fresh (on, off)")
@@ -166,7 +209,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"prompts": args.prompts, "stream": args.stream, "clients": args.clients,
+        meta = {"prompts": args.prompts, "server_tree": args.server_tree,
+                "server_commit": served_commit(args.server_tree), "stream": args.stream,
+                "clients": args.clients,
                 "max_new_tokens": args.max_new_tokens, "overrides": list(args.overrides),
                 "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs)}
         path.write_text(json.dumps({"meta": meta, **result}, indent=2))
@@ -206,6 +251,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every figure to PATH (+ a PNG)")
     parser.add_argument("--log-dir", default=None, help="where the server log goes (default: a temp dir)")
+    parser.add_argument("--server-tree", default=None, metavar="PATH",
+                        help="serve the code of another checkout (e.g. a `git worktree` of an older commit)")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. trainer=off")
 
 

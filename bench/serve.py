@@ -204,11 +204,14 @@ class ServerProcess:
     READY = re.compile(r"specd serving .*? on (\S+?)(,|$)")
     METRICS = re.compile(r"metrics on (\S+/metrics)")
 
-    def __init__(self, overrides: list[str], log_path: Path, timeout_s: float = 1800):
+    def __init__(self, overrides: list[str], log_path: Path, timeout_s: float = 1800,
+                 env: dict[str, str] | None = None, module: str = "specd.cluster.serve",
+                 cwd: Path | None = None):
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 (lives as long as the process)
-        self.proc = subprocess.Popen([sys.executable, "-m", "specd.cluster.serve", *overrides],
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *overrides],
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                     cwd=cwd)
         deadline = time.monotonic() + timeout_s
         self.address = ""
         self.metrics_url = ""          # the Prometheus endpoint, where the server exposes one

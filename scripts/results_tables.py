@@ -385,6 +385,8 @@ def chat(root: Path, files: list[str], where: dict[str, str]) -> str:
     for name in files:
         doc = _load(root, name)
         config = " ".join(doc["meta"]["overrides"]) or "default"
+        if doc["meta"].get("server_tree"):       # another checkout's server, side by side (issue 61)
+            config = f"{doc['meta']['server_commit']} {config}"
         for phase in ("fresh", "after"):
             r = doc[phase]
             stream = f"{doc['stream']['tokens_per_s']:.1f}" if phase == "after" else ""

@@ -4,6 +4,7 @@ hand-set times (a stand-in client), and the plot."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -81,3 +82,25 @@ def test_a_phase_reads_each_drafter_versions_drafts_from_the_servers_counters(mo
         "suffix-24": {"drafted": 6.0, "accepted": 0.0, "acceptance_rate": 0.0},
         "online-3": {"drafted": 20.0, "accepted": 5.0, "acceptance_rate": 0.25}}
     assert chat_heldout.by_version("") == {}
+
+
+@pytest.mark.slow    # a child Python per layout
+@pytest.mark.parametrize("layout", ["namespace", "top-level"])
+def test_a_server_tree_serves_its_own_code_not_the_installed_checkouts(tmp_path, layout) -> None:
+    """--server-tree runs another checkout's server (the bisect of issue 61): in the layout since 1add2c9
+    (`specd.*` mapped onto top-level folders) and in the one before it (top-level packages)."""
+    import subprocess
+    import sys
+
+    tree = tmp_path / "tree"
+    (tree / "cluster").mkdir(parents=True)
+    (tree / "cluster" / "__init__.py").write_text("")
+    (tree / "cluster" / "serve.py").write_text("print(__file__)\n")
+    setuptools = ('[tool.setuptools.package-dir]\n"specd.cluster" = "cluster"\n' if layout == "namespace"
+                  else '[tool.setuptools.packages.find]\ninclude = ["cluster*"]\n')
+    (tree / "pyproject.toml").write_text(setuptools)
+    env, module = chat_heldout.server_tree(tree, tmp_path / "scratch")
+    assert module == ("specd.cluster.serve" if layout == "namespace" else "cluster.serve")
+    out = subprocess.run([sys.executable, "-m", module], env=env, cwd=tree, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert Path(out).resolve() == (tree / "cluster" / "serve.py").resolve()
