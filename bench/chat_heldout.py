@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -145,6 +146,23 @@ def server_tree(tree: Path, scratch: Path) -> tuple[dict[str, str], str]:
     return {**os.environ, "PYTHONPATH": path}, module
 
 
+def fresh_cache(root: Path) -> Path:
+    """A cache of the server's own: no drafter, no trainer state, no versions (the server builds its
+    first-start drafter as on a new machine); the converted target linked and the teacher's cached
+    generations copied from the shared cache, which both are pure functions of the target and the prompts.
+    Needed to compare commits: an older trainer that keeps versions on disk resumes from whatever another
+    run left in ~/.cache/specd."""
+    from specd.workers.models.loader import default_cache_dir
+
+    shared = default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    if (shared / "models").is_dir() and not (root / "models").exists():
+        (root / "models").symlink_to((shared / "models").resolve(), target_is_directory=True)
+    if (shared / "bootstrap_data").is_dir() and not (root / "bootstrap_data").exists():
+        shutil.copytree(shared / "bootstrap_data", root / "bootstrap_data")
+    return root
+
+
 def served_commit(tree: str | None) -> str:
     """The commit the server ran (`<sha>+dirty` with uncommitted changes; "" outside a git checkout)."""
     import subprocess
@@ -173,6 +191,8 @@ def run_bench(args: argparse.Namespace) -> int:
     env, module = None, "specd.cluster.serve"
     if args.server_tree:
         env, module = server_tree(Path(args.server_tree), logs)
+    if args.fresh_cache:
+        env = {**(env or os.environ), "SPECD_CACHE": str(fresh_cache(logs / "cache"))}
     if not args.server_tree or "http_port" in (Path(args.server_tree) / "configs" / "schema.py").read_text():
         overrides.append("server.http_port=null")
     started = time.time()
@@ -210,7 +230,8 @@ def run_bench(args: argparse.Namespace) -> int:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"prompts": args.prompts, "server_tree": args.server_tree,
-                "server_commit": served_commit(args.server_tree), "stream": args.stream,
+                "server_commit": served_commit(args.server_tree), "fresh_cache": args.fresh_cache,
+                "stream": args.stream,
                 "clients": args.clients,
                 "max_new_tokens": args.max_new_tokens, "overrides": list(args.overrides),
                 "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs)}
@@ -253,6 +274,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="where the server log goes (default: a temp dir)")
     parser.add_argument("--server-tree", default=None, metavar="PATH",
                         help="serve the code of another checkout (e.g. a `git worktree` of an older commit)")
+    parser.add_argument("--fresh-cache", action="store_true",
+                        help="the server gets a cache of its own (no drafter, no trainer state), to "
+                             "compare commits")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. trainer=off")
 
 

@@ -104,3 +104,19 @@ def test_a_server_tree_serves_its_own_code_not_the_installed_checkouts(tmp_path,
     out = subprocess.run([sys.executable, "-m", module], env=env, cwd=tree, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert Path(out).resolve() == (tree / "cluster" / "serve.py").resolve()
+
+
+def test_a_fresh_cache_shares_the_target_and_the_teacher_data_and_nothing_else(tmp_path, monkeypatch) -> None:
+    shared = tmp_path / "shared"
+    for folder in ("models/SmolLM2", "bootstrap_data", "drafters/online/versions"):
+        (shared / folder).mkdir(parents=True)
+    (shared / "models" / "SmolLM2" / "config.json").write_text("{}")
+    (shared / "bootstrap_data" / "teacher-1.safetensors").write_text("cached")
+    monkeypatch.setenv("SPECD_CACHE", str(shared))
+    root = chat_heldout.fresh_cache(tmp_path / "run" / "cache")
+    assert (root / "models").is_symlink() and (root / "models" / "SmolLM2" / "config.json").exists()
+    copied = root / "bootstrap_data" / "teacher-1.safetensors"
+    assert not (root / "bootstrap_data").is_symlink() and copied.read_text() == "cached"
+    assert not (root / "drafters").exists()
+    copied.write_text("written by the run")          # the run's teacher data never reaches the shared cache
+    assert (shared / "bootstrap_data" / "teacher-1.safetensors").read_text() == "cached"
