@@ -332,10 +332,6 @@ class TrainerConfig:
     steps_per_update: int = 24          # optimizer steps per update round
     update_every_records: int = 32      # an update round after this many new records ...
     update_every_s: float = 120.0       # ... or this many seconds with at least one new record
-    # Most of the wall time the trainer may work (0, 1]: after each record labelled, optimizer step or gate
-    # it idles in proportion (drafter_trainer/pacing.py). 1 = whenever it has work. Below 1 it learns that
-    # much slower and shares a CPU host's caches and memory bandwidth with serving that much less.
-    max_busy_fraction: float = 1.0
     max_grad_norm: float = 1.0          # 0 = no clipping
     buffer_records: int = 512           # training records kept in memory (newest)
     holdout_every: int = 8              # every n-th record goes to the gate's held-out set, never trained on

@@ -43,7 +43,6 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "replay.maxlen": (1, None), "replay.queue_size": (1, None),
     "trainer.num_gpus": (0, None), "trainer.num_cpus": (0, None), "trainer.lr": (0, None),
     "trainer.batch_records": (1, None), "trainer.keep_versions": (1, None),
-    "trainer.max_busy_fraction": (0.01, 1),
 }
 
 

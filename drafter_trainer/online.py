@@ -48,7 +48,6 @@ from specd.drafter_trainer.online_data import (
     record_steps,
     trainer_dtype,
 )
-from specd.drafter_trainer.pacing import Pacer
 from specd.drafter_trainer.publish import TARGET_TENSORS, VersionStore, write_current_durably
 from specd.drafter_trainer.replay_source import ReplaySource
 from specd.proto.replay_codec import ReplayFormatError, decode_record
@@ -115,7 +114,6 @@ class OnlineTrainer:
                                    cfg.collapse_alpha)
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
-        self.pacer = Pacer(cfg.max_busy_fraction)
         if self.store.current() is None:
             self._publish_base(base_drafter_dir)
         try:
@@ -215,8 +213,7 @@ class OnlineTrainer:
         self._check_rollback()
         for entry_id, data, record in records:
             if record is not None:
-                with self.pacer.work():
-                    self._ingest(entry_id, data, record)
+                self._ingest(entry_id, data, record)
         due = self._new >= self.cfg.update_every_records or (
             self._new > 0 and time.monotonic() - self._last_update >= self.cfg.update_every_s
         )
@@ -293,31 +290,26 @@ class OnlineTrainer:
         # float32 (the drafter serves in bfloat16 anyway, drafter.dtype).
         autocast = torch.autocast(str(self.cfg.device), dtype=self.dtype, enabled=self.dtype != torch.float32)
         for _ in range(steps):
-            with self.pacer.work():
-                losses.append(self._step(pool, params, autocast))
+            batch = self.rng.sample(pool, min(self.cfg.batch_records, len(pool)))
+            with autocast:
+                logits = self.candidate.logits(batch, gen=self.gen)  # [Σ n, V_sub]
+            p = torch.cat([dense_teacher(e.topk_logprobs, e.topk_ids, self.candidate.vocab_ids,
+                                         self.candidate.vocab_size) for e in batch])
+            w = torch.cat([e.weights for e in batch])
+            loss = weighted_loss(logits.float(), p, w, self.cfg.divergence, self.cfg.jsd_beta)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            losses.append(float(loss.detach()))
         self.candidate.train(False)
         self.stats.optimizer_steps += steps
         self.stats.losses += losses
         if losses:
             self.stats.last_loss = losses[-1]
         return losses
-
-    def _step(self, pool: list[Example], params, autocast) -> float:
-        """One AdamW step on a random batch of `pool`; its loss."""
-        batch = self.rng.sample(pool, min(self.cfg.batch_records, len(pool)))
-        with autocast:
-            logits = self.candidate.logits(batch, gen=self.gen)  # [Σ n, V_sub]
-        p = torch.cat([dense_teacher(e.topk_logprobs, e.topk_ids, self.candidate.vocab_ids,
-                                     self.candidate.vocab_size) for e in batch])
-        w = torch.cat([e.weights for e in batch])
-        loss = weighted_loss(logits.float(), p, w, self.cfg.divergence, self.cfg.jsd_beta)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        return float(loss.detach())
 
     def update(self) -> str | None:
         """Train, gate, maybe publish, checkpoint; then acknowledge the records the round trained on,
@@ -327,8 +319,7 @@ class OnlineTrainer:
         self.stats.updates += 1
         self._new = 0
         self._last_update = time.monotonic()
-        with self.pacer.work():
-            published = self.gate_and_publish()
+        published = self.gate_and_publish()
         if self.save_checkpoint() or published:
             self._ack(fed)
         elif len(self._unacked) > self.max_unacked:

@@ -15,7 +15,6 @@ from specd.configs.schema import TrainerConfig
 from specd.drafter_trainer.gate import LiveMonitor, score
 from specd.drafter_trainer.online import OnlineTrainer
 from specd.drafter_trainer.online_data import TargetTeacher, draft_positions, make_example
-from specd.drafter_trainer.pacing import Pacer
 from specd.drafter_trainer.replay_source import RECORD_FIELD, ReplaySource
 from specd.proto.replay_codec import RecordBuilder, encode_record
 from specd.workers.drafters.versions import read_current, target_checksum, version_dir
@@ -174,26 +173,6 @@ def test_records_flow_through_the_group_and_are_acknowledged(tmp_path, tiny_llam
     assert trainer.stats.records_skipped == 1
     assert trainer.stats.updates == 1 and trainer.holdout and trainer.buffer
     assert trainer.source.pending() == 0      # acknowledged once the update round consumed them
-
-
-def test_at_half_busy_the_trainer_idles_after_each_record_step_and_gate_as_long_as_it_worked(
-        tmp_path, tiny_llama_dir, redis_server, teacher, continuations):
-    cfg = replace(CFG, max_busy_fraction=0.5)
-    trainer = _trainer(tmp_path, tiny_llama_dir, redis_server, teacher, cfg=cfg, stream="s-paced")
-    assert trainer.pacer.fraction == 0.5
-    slept: list[float] = []
-    trainer.pacer = Pacer(0.5, sleep=slept.append)          # the real clock; idling only recorded
-    client = redis_server.endpoint.client()
-    checksum = target_checksum(tiny_llama_dir)
-    for i, (p, o) in enumerate(continuations):
-        client.xadd("s-paced", {RECORD_FIELD: encode_record(make_record(i, p, o, trainer.serving_version,
-                                                                      checksum=checksum))})
-    while trainer.poll(block_ms=100):
-        pass
-    assert trainer.stats.updates == 1
-    # one idle per record labelled, per optimizer step and for the gate, each as long as its work
-    assert len(slept) == len(continuations) + cfg.steps_per_update + 1
-    assert sum(slept) == pytest.approx(trainer.pacer.busy_s) and all(s > 0 for s in slept)
 
 
 def test_a_collapsed_version_is_rolled_back_to_its_parent(tmp_path, tiny_llama_dir, redis_server, teacher,
