@@ -229,11 +229,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"prompts": args.prompts, "server_tree": args.server_tree,
-                "server_commit": served_commit(args.server_tree), "fresh_cache": args.fresh_cache,
-                "stream": args.stream,
-                "clients": args.clients,
-                "max_new_tokens": args.max_new_tokens, "overrides": list(args.overrides),
+        meta = {"prompts": args.prompts, "stream": args.stream, "clients": args.clients,
+                "server_tree": args.server_tree, "server_commit": served_commit(args.server_tree),
+                "fresh_cache": args.fresh_cache, "max_new_tokens": args.max_new_tokens,
+                "overrides": list(args.overrides),
                 "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs)}
         path.write_text(json.dumps({"meta": meta, **result}, indent=2))
         plot(result, path.with_suffix(".png"))
