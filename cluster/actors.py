@@ -39,6 +39,13 @@ def ray_init_kwargs(cfg: SpecdConfig) -> dict[str, Any]:
     if cfg.ray.address:
         kwargs["address"] = cfg.ray.address
         del kwargs["include_dashboard"]        # only meaningful when starting a cluster
+        if cfg.ray.address == "auto":
+            # This node's raylet, not just any on this host: Ray prefers the head among raylets that share
+            # an IP, and a router on a worker node must not ride on the head's (it would die with it).
+            # `ray start` without --temp-dir uses this same default; a pod's /tmp is its own.
+            from ray._common.utils import get_default_ray_temp_dir
+
+            kwargs["_temp_dir"] = get_default_ray_temp_dir()
     else:
         kwargs["address"] = "local"
         needed = sum(b.get("CPU", 0.0) for b in placement_bundles(cfg)) + 1
@@ -56,6 +63,9 @@ def init_ray(cfg: SpecdConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    if cfg.ray.address == "auto":
+        _connect_local_node(cfg)
+        return True
     try:
         ray.init(**ray_init_kwargs(cfg))
     except Exception as exc:
@@ -67,6 +77,34 @@ def init_ray(cfg: SpecdConfig) -> bool:
         ray.shutdown()
         ray.init(**ray_init_kwargs(cfg))
     return True
+
+
+def _connect_local_node(cfg: SpecdConfig) -> None:
+    """ray.init(address="auto"), tried again until this node's raylet is up or ray.connect_timeout_s
+    has passed: a router container starts beside its pod's `ray start`, not after it."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + cfg.ray.connect_timeout_s
+    while True:
+        try:
+            ray.init(**ray_init_kwargs(cfg))
+            return
+        except (ConnectionError, RuntimeError) as exc:
+            ray.shutdown()
+            if time.monotonic() > deadline:
+                raise
+            logging.getLogger(__name__).info("waiting for this node's raylet (%s)", exc)
+            time.sleep(2.0)
+
+
+def router_id(cfg: SpecdConfig) -> str:
+    """This router's name: ray.router_id, else the host name (a pod's own name in Kubernetes, where the
+    kubelet also sets $HOSTNAME to it)."""
+    import socket
+
+    return cfg.ray.router_id or os.environ.get("HOSTNAME") or socket.gethostname()
 
 
 def _bundle(num_cpus: float, num_gpus: float, resources: dict | None = None) -> dict[str, float]:
@@ -186,7 +224,9 @@ def create_cluster(
     # one lock per worker and a dispatch method for the compiled graphs of cluster/compiled_calls.py
     target_remote = ray.remote(serialised(target_cls))
     drafter_remote = ray.remote(serialised(drafter_cls))
-    tag = f"-{uuid.uuid4().hex[:6]}"        # several servers may share one Ray namespace (tests)
+    # Several routers share one cluster: each names its actors after itself, and a restarted router
+    # starts its own again (a driver's actors and placement group die with it), never another's.
+    tag = f"-{router_id(cfg)}-{uuid.uuid4().hex[:6]}"
     gpus = node_gpu_count()
     pg = create_placement_group(cfg, name=f"specd{tag}", node_gpus=gpus)
     replicas = []

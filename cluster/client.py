@@ -160,11 +160,15 @@ class Security:
     token: str | None = None
     max_message_bytes: int | None = None
     attempts: int = 5          # tries of a call failing UNAVAILABLE before any response (1..5)
+    # TLS: the name the server's certificate must carry when the address does not say it (a list of
+    # router IPs, `ipv4:10.0.0.7:50051,10.0.0.8:50051`, behind a certificate for the Service's name)
+    server_name: str | None = None
 
     def channel_args(self) -> list[tuple[str, int | str]]:
         n = self.max_message_bytes
         sizes = [("grpc.max_receive_message_length", n), ("grpc.max_send_message_length", n)] if n else []
-        return [*sizes, ("grpc.enable_retries", int(self.attempts > 1)),
+        name = [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+        return [*sizes, *name, ("grpc.enable_retries", int(self.attempts > 1)),
                 ("grpc.service_config", service_config(self.attempts))]
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:

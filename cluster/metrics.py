@@ -27,12 +27,14 @@ follow the glossary: drafted, accepted, recovered, bonus, step, gamma.
     specd_guard_windows_total            counter by replica and mode: the guard's measured windows
     specd_guard_skipped_steps_total      counter by replica: steps the guard kept from drafting
     specd_server_insecure                gauge: 1 while serving off loopback without a token
+    specd_router_info                    info: this router's name (ray.router_id: a pod's name), so that
+                                         the series of several routers behind one Service tell apart
     specd_http_requests_total            counter by endpoint and status: the OpenAI-compatible HTTP API
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from specd.cluster.redact import redact_text
 from specd.cluster.scheduler import SchedulerObserver, ServedStats
@@ -94,6 +96,8 @@ class SpecdMetrics(SchedulerObserver):
                                   registry=r)
         self.server_insecure = Gauge("specd_server_insecure", "1 while the gRPC port listens off loopback "
                                      "without a bearer token (server.insecure=true)", registry=r)
+        self.router = Info("specd_router", "This router: its name (ray.router_id, else the host name)",
+                           registry=r)
         self.compiled_calls = Counter("specd_compiled_graph_calls", "Router calls to a worker that a "
                                       "compiled Ray graph carried (ray.compiled_calls)",
                                       ["replica", "worker"], registry=r)

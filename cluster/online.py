@@ -24,10 +24,15 @@ class OnlineParts:
     trainer: Any = None            # Ray actor handle of specd.cluster.trainer_actor.TrainerActor
     drafters: list = field(default_factory=list)   # DrafterHandles of the DraftWorkers following the store
     store: dict | str | None = None    # where DraftWorkers follow versions (versions_spec)
+    cfg: Any = None
+    endpoint: Any = None               # the replay Redis (RedisEndpoint)
 
     def stop(self) -> None:
-        """Best effort, in reverse order of start: nothing here may keep the server from exiting."""
-        if self.trainer is not None:
+        """Best effort, in reverse order of start: nothing here may keep the server from exiting. A
+        shared trainer (trainer.lifetime=cluster) stays: other routers use it."""
+        from specd.cluster.trainer_actor import shared_trainer
+
+        if self.trainer is not None and not shared_trainer(self.cfg):
             import ray
 
             with contextlib.suppress(Exception):
@@ -68,13 +73,14 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
     from specd.cluster.trainer_actor import start_trainer_actor
     from specd.workers.drafters.versions import target_checksum
 
-    parts = OnlineParts()
+    parts = OnlineParts(cfg=cfg)
     if not cfg.replay.enabled:
         return parts
     opened = opened or open_online_redis(cfg)
     if opened is None:
         return parts
     endpoint, parts.managed_redis = opened
+    parts.endpoint = endpoint
     r = cfg.replay
     parts.writer = ReplayWriter(endpoint, r.stream, maxlen=r.maxlen, queue_size=r.queue_size,
                                 socket_timeout_s=r.socket_timeout_s, retry_s=r.retry_s, registry=registry)
@@ -106,7 +112,13 @@ async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | 
     version_pin (drafter.version_pin): serve that version of the store instead of its CURRENT."""
     if parts.trainer is None:
         return
+    import asyncio
+
+    from specd.cluster.trainer_actor import ensure_current_trainer
+
     try:
+        parts.trainer = await asyncio.to_thread(ensure_current_trainer, parts.trainer, parts.cfg,
+                                                parts.endpoint)
         await parts.trainer.stats.remote()
         for d in parts.drafters:
             await d.watch_versions(parts.store, str(model_dir), SWAP_POLL_S)
@@ -190,6 +202,19 @@ class OnlineMetrics:
         self.rejected.labels(str(replica)).set(len(s.get("rejected", {})))
 
 
+async def _restart_shared_trainer(parts: OnlineParts, exc: Exception) -> None:
+    """A shared trainer out of Ray's restarts (or killed by hand) leaves its name free: the first router
+    to see it dead starts a new one under the name, the others find that one."""
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from specd.cluster.trainer_actor import shared_trainer, start_trainer_actor
+
+    if isinstance(exc, ActorDiedError) and shared_trainer(parts.cfg):
+        parts.trainer = await asyncio.to_thread(start_trainer_actor, parts.cfg, parts.endpoint)
+
+
 async def poll_online(parts: OnlineParts, metrics: OnlineMetrics) -> None:
     """One poll of Redis, the trainer and the drafters (the serve loop calls it with the worker stats).
     A managed redis-server that died is started again here; a dead trainer actor is restarted by Ray
@@ -204,6 +229,7 @@ async def poll_online(parts: OnlineParts, metrics: OnlineMetrics) -> None:
         except Exception as exc:  # restarting (or out of restarts): serving goes on without its figures
             metrics.up.set(0)
             log.warning("trainer stats unavailable: %s", type(exc).__name__)
+            await _restart_shared_trainer(parts, exc)
     for i, d in enumerate(parts.drafters):
         try:
             metrics.set_swaps(i, await d.swap_stats())

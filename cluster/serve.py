@@ -171,6 +171,9 @@ async def _bring_up(
 
     metrics = SpecdMetrics()
     metrics.server_insecure.set(1.0 if security.insecure else 0.0)
+    from specd.cluster.actors import router_id
+
+    metrics.router.info({"router": router_id(cfg)})
     from specd.cluster.online import OnlineMetrics, follow_again, follow_trainer, start_online
     from specd.cluster.replay import ObserverFanout
 

@@ -19,10 +19,13 @@ while the actor lives on.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ from pathlib import Path
 from specd.cluster.redis_server import RedisEndpoint, endpoint_from_config
 
 log = logging.getLogger(__name__)
+TRAINER_NAME = "specd-trainer"   # the shared trainer's actor name (trainer.lifetime=cluster)
 FAILURES_BEFORE_RESTART = 3     # non-Redis failures in a row that end the actor (Ray restarts it)
 RESTART_EXIT_CODE = 70          # the process's exit status then (EX_SOFTWARE)
 
@@ -166,6 +170,7 @@ class TrainerActor:
         # rollbacks would not reach its log file (the worker-*.err of this actor).
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         lower_priority(cfg.trainer)
+        self._settings = trainer_settings(cfg)
         self.trainer = build_trainer(cfg, endpoint)
         self._stop = threading.Event()
         self.health = LoopHealth()
@@ -181,21 +186,83 @@ class TrainerActor:
         return {**self.trainer.stats.as_dict(), **asdict(self.health), "restarted": restarted,
                 "pid": os.getpid(), "alive": self._thread.is_alive(), "store": str(self.trainer.store.root)}
 
+    def settings(self) -> str:
+        """trainer_settings() of the config this actor was started with."""
+        return self._settings
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
 
 
-def start_trainer_actor(cfg, endpoint: RedisEndpoint):
-    """A Ray actor of TrainerActor with the trainer's resources from config."""
+def trainer_settings(cfg) -> str:
+    """A digest of what the trainer reads from config (its own section, replay, the models, the seed):
+    two routers with equal digests may share one trainer."""
+    from specd.configs import flatten
+
+    used = {k: v for k, v in flatten(cfg).items()
+            if k.split(".")[0] in ("trainer", "replay", "drafter", "target", "seed")}
+    return hashlib.sha256(json.dumps(used, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def shared_trainer(cfg) -> bool:
+    return cfg is not None and str(cfg.trainer.lifetime) == "cluster"
+
+
+def start_trainer_actor(cfg, endpoint: RedisEndpoint, cls: type | None = None):
+    """A Ray actor of TrainerActor (or `cls`, in tests) with the trainer's resources from config.
+    trainer.lifetime=cluster: the one detached actor named TRAINER_NAME in this Ray namespace, started
+    here unless a router started it already (Ray's get_if_exists settles a race between two routers)."""
     import ray
 
-    actor = ray.remote(TrainerActor).options(
-        num_cpus=cfg.trainer.num_cpus, num_gpus=cfg.trainer.num_gpus, name=None,
-        max_restarts=cfg.trainer.max_restarts,   # a restarted trainer resumes from its consumer group
-        resources=dict(cfg.trainer.resources),    # e.g. the Helm chart's trainer group: specd_trainer
-    )
-    return actor.remote(cfg, endpoint)
+    options = {
+        "num_cpus": cfg.trainer.num_cpus, "num_gpus": cfg.trainer.num_gpus,
+        "max_restarts": cfg.trainer.max_restarts,   # a restarted trainer resumes from its consumer group
+        "resources": dict(cfg.trainer.resources),    # e.g. the Helm chart's trainer group: specd_trainer
+    }
+    if shared_trainer(cfg):
+        options.update(name=TRAINER_NAME, lifetime="detached", get_if_exists=True)
+    return ray.remote(cls or TrainerActor).options(**options).remote(cfg, endpoint)
+
+
+def ensure_current_trainer(actor, cfg, endpoint: RedisEndpoint, cls: type | None = None):
+    """The shared trainer, replaced when it runs other settings than this router's (a config change
+    rolled out: the router that starts with it brings the trainer along; an older router never sets it
+    back, as it checks only here, at its start). Blocks until the trainer answers."""
+    import ray
+
+    if not shared_trainer(cfg):
+        return actor
+    from ray.exceptions import RayActorError
+
+    wanted = trainer_settings(cfg)
+    for _ in range(3):
+        try:
+            running = ray.get(actor.settings.remote())
+        except RayActorError:    # another router replaced it first: take the one under the name now
+            actor = start_trainer_actor(cfg, endpoint, cls)
+            continue
+        if running == wanted:
+            return actor
+        log.warning("the shared trainer runs settings %s, this router %s: replacing it", running, wanted)
+        ray.kill(actor, no_restart=True)
+        _wait_name_free(TRAINER_NAME)
+        actor = start_trainer_actor(cfg, endpoint, cls)
+    return actor
+
+
+def _wait_name_free(name: str, timeout_s: float = 60.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(name)
+        except ValueError:       # the name is free again
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the old actor {name} did not go away")
+        time.sleep(0.5)
 
 
 # ---- `specd train` -----------------------------------------------------------------------------

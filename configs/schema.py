@@ -74,6 +74,11 @@ class Divergence(StrEnum):
     tvd = "tvd"
 
 
+class TrainerLifetime(StrEnum):
+    router = "router"       # the server's own trainer actor, stopped with it
+    cluster = "cluster"     # one named, detached trainer that every router of the cluster shares
+
+
 class TrainPositions(StrEnum):
     all = "all"
     rejected = "rejected"
@@ -268,6 +273,12 @@ class RayConfig:
     # per worker while it waits (cluster/compiled_calls.py); for hosts with cores to spare
     compiled_calls: bool = False
     compiled_calls_idle_s: float = 10.0   # tear a graph down after this long without calls (0: never)
+    # With address=auto: how long to wait for this node's raylet (a router container starts beside its
+    # pod's `ray start`, which may not be up yet) before giving up
+    connect_timeout_s: float = 120.0
+    # This router's name in its actors' names and its metrics; None: the host name (a pod's name).
+    # Several routers may share one cluster; each owns its own replicas' actors.
+    router_id: str | None = None
 
 
 @dataclass
@@ -301,6 +312,10 @@ class TrainerConfig:
     num_gpus: float = 0.0               # Ray GPUs of the trainer actor
     resources: dict[str, float] = field(default_factory=dict)   # custom Ray resources, as target's
     max_restarts: int = 10              # Ray restarts of a dead trainer actor (-1: always)
+    # router: this server starts its own trainer and stops it on exit. cluster: one detached trainer
+    # actor named specd-trainer in ray.namespace, found (or started) by every router, kept when a router
+    # goes; a router that starts with other trainer settings replaces it (the Helm chart's setting)
+    lifetime: TrainerLifetime = TrainerLifetime.router
     nice: int = 10                      # CPU priority of the trainer (0 = as serving): serving comes first
     # Linux, CPU trainer: run it under SCHED_IDLE, so it gets only the CPU time serving leaves idle
     sched_idle: bool = True

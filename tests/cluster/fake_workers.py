@@ -274,3 +274,23 @@ class RaySlowFakeTarget(RayFakeTarget):
     def __init__(self, *_args):
         super().__init__()
         self.delay = 0.3
+
+
+class FakeTrainer:
+    """Stands in for TrainerActor where only its identity matters: the settings digest it was started
+    with, and which router started it (passed as the endpoint)."""
+
+    def __init__(self, cfg, endpoint):
+        from specd.cluster.trainer_actor import trainer_settings
+
+        self._settings = trainer_settings(cfg)
+        self.started_by = endpoint
+
+    def settings(self) -> str:
+        return self._settings
+
+    def stats(self) -> dict:
+        return {"started_by": self.started_by}
+
+    def stop(self) -> None:
+        pass

@@ -74,14 +74,61 @@ def test_ray_init_starts_a_local_cluster_or_connects() -> None:
     assert kwargs["address"] == "ray://head:10001" and "num_cpus" not in kwargs
 
 
+def test_a_router_joins_through_its_own_nodes_raylet(monkeypatch, tmp_path) -> None:
+    """address=auto names this node's temp dir: with several raylets on one host (the pods test), Ray
+    would otherwise pick the head's, and the router would die with the head."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    cfg = config()
+    cfg.ray.address = "auto"
+    assert actors.ray_init_kwargs(cfg)["_temp_dir"] == str(tmp_path / "ray")
+    cfg.ray.address = "10.0.0.1:6379"
+    assert "_temp_dir" not in actors.ray_init_kwargs(cfg)
+
+
+def test_a_router_waits_for_its_raylet_then_gives_up(monkeypatch) -> None:
+    ray = pytest.importorskip("ray")
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        if len(calls) < 3:
+            raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    cfg = config()
+    cfg.ray.address = "auto"
+    assert actors.init_ray(cfg) is True and calls == ["auto"] * 3
+    calls.clear()
+    cfg.ray.connect_timeout_s = 0.0         # never up: the error reaches the caller (and the kubelet)
+    monkeypatch.setattr(ray, "init", lambda **kw: (_ for _ in ()).throw(ConnectionError("no raylet")))
+    with pytest.raises(ConnectionError, match="no raylet"):
+        actors.init_ray(cfg)
+
+
+def test_router_id_names_the_router(monkeypatch) -> None:
+    cfg = config()
+    monkeypatch.setenv("HOSTNAME", "rel-specd-router-7c9f-x2")
+    assert actors.router_id(cfg) == "rel-specd-router-7c9f-x2"     # a pod's name
+    cfg.ray.router_id = "r1"
+    assert actors.router_id(cfg) == "r1"
+
+
 
 def test_scheduler_over_ray_actor_handles(ray_session) -> None:
     cfg = config(replicas=2)
+    cfg.ray.router_id = "router-a"
     cluster = actors.create_cluster(
         cfg, "/nonexistent", fake_workers.RayFakeTarget, fake_workers.RayFakeDrafter
     )
     try:
         ray_session.get(cluster.placement_group.ready(), timeout=60)
+        # each actor carries its router's name (several routers share a cluster)
+        names = [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(("specd-target-", "specd-drafter-"))]
+        assert len([n for n in names if "-router-a-" in n]) == 4, names
         pairs = [(r.target, r.drafter) for r in cluster.replicas]
 
         async def main():

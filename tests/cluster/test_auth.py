@@ -135,6 +135,20 @@ def test_with_the_token_over_tls_succeeds(secured) -> None:
             assert c.server_info()["model"] == "fake"
 
 
+def test_a_list_of_router_addresses_over_tls_names_the_certificate(secured) -> None:
+    """`ipv4:a:port,b:port` says no host name to check the certificate against; server_name does."""
+    port = secured.address.rsplit(":", 1)[1]
+    listed = f"ipv4:127.0.0.1:{port},127.0.0.1:{port}"
+    with SpecdClient(listed, timeout=10, security=Security(ca_file=secured.cert, token=TOKEN)) as c:
+        assert call_code(c) == grpc.StatusCode.UNAVAILABLE          # the hostname check fails
+    named = Security(ca_file=secured.cert, token=TOKEN, server_name="localhost")
+    with SpecdClient(listed, timeout=30, security=named) as c:
+        assert len(c.generate(text="hi", max_new_tokens=4, ignore_eos=True).token_ids) == 4
+    wrong = Security(ca_file=secured.cert, token=TOKEN, server_name="elsewhere.example")
+    with SpecdClient(listed, timeout=10, security=wrong) as c:
+        assert call_code(c) == grpc.StatusCode.UNAVAILABLE
+
+
 def test_plaintext_client_cannot_talk_to_the_tls_port(secured) -> None:
     with SpecdClient(secured.address, timeout=5, security=Security(token=TOKEN)) as c:
         assert call_code(c) == grpc.StatusCode.UNAVAILABLE

@@ -119,9 +119,13 @@ def reference(chat_ids):
     return out
 
 
-def metric(server, name: str) -> float:
+def metric(server, name: str, missing: float | None = None) -> float:
+    """The sum of a series' samples; `missing`: what a series with no sample yet reads as (a labelled
+    gauge has none until its first poll), else its absence fails."""
     text = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    if not values and missing is not None:
+        return missing
     assert values, f"{name} not exported"
     return sum(values)
 
@@ -245,7 +249,8 @@ def test_a_published_version_is_swapped_in_and_drafts(server, reference) -> None
             assert outputs == reference, f"round {rounds}: speculative output differs from target-only"
             rounds += 1
             new = {v: n for v, n in drafted_by_version(server).items() if v not in before and n > 0}
-            if new and metric(server, "specd_drafter_swaps") >= 1:
+            # the swaps gauge is set by the 10 s stats poll: a new version may draft before its first one
+            if new and metric(server, "specd_drafter_swaps", missing=0.0) >= 1:
                 break
             assert time.monotonic() < deadline, f"no swapped-in version drafted after {rounds} rounds"
     assert metric(server, "specd_replay_records_written_total") >= len(PROMPTS)

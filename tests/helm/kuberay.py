@@ -13,11 +13,15 @@ operator would write:
   options that take an explicit boolean;
 - BuildPod: `ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; <ray start ...>`;
 - initLivenessAndReadinessProbe: from Ray 2.53 an HTTP GET of /api/healthz on the dashboard agent's
-  listen port (before it, `wget` commands).
+  listen port (before it, `wget` commands);
+- configureGCSFaultTolerance / configureRedisFT: with spec.gcsFaultToleranceOptions, the head container
+  gets RAY_external_storage_namespace, RAY_REDIS_ADDRESS and REDIS_PASSWORD (and --redis-password=
+  $REDIS_PASSWORD), every worker container RAY_gcs_rpc_server_reconnect_timeout_s=600 unless it sets it.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -122,3 +126,30 @@ def ray_probe(group: dict, ray_version: str) -> tuple[int, str]:
     params = group.get("rayStartParams") or {}
     port = int(params.get("dashboard-agent-listen-port", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT))
     return port, RAY_NODE_HEALTH_PATH
+
+
+DEFAULT_WORKER_GCS_RECONNECT_TIMEOUT_S = "600"
+
+
+def with_gcs_fault_tolerance(spec: dict, group: dict, head: bool, storage_namespace: str) -> dict:
+    """The group as KubeRay runs it when the RayCluster spec asks for GCS fault tolerance (Redis
+    backend): a copy with the injected env (Kubernetes env entries) and start parameters."""
+    options = spec.get("gcsFaultToleranceOptions")
+    if options is None:
+        return group
+    group = copy.deepcopy(group)
+    container = group["template"]["spec"]["containers"][0]
+    env = container.setdefault("env", [])
+    names = {e["name"] for e in env}
+    if not head:
+        if "RAY_gcs_rpc_server_reconnect_timeout_s" not in names:
+            env.append({"name": "RAY_gcs_rpc_server_reconnect_timeout_s",
+                        "value": DEFAULT_WORKER_GCS_RECONNECT_TIMEOUT_S})
+        return group
+    if "RAY_external_storage_namespace" not in names:
+        env.append({"name": "RAY_external_storage_namespace", "value": storage_namespace})
+    env.append({"name": "RAY_REDIS_ADDRESS", "value": options["redisAddress"]})
+    if "redisPassword" in options:
+        group.setdefault("rayStartParams", {})["redis-password"] = "$REDIS_PASSWORD"
+        env.append({"name": "REDIS_PASSWORD", **options["redisPassword"]})
+    return group

@@ -149,7 +149,8 @@ def test_configmap_overrides_pass_specd_validation(rendered) -> None:
     lines = overrides_of(docs)
     cfg = load_config(lines)
     assert cfg.server.host == "0.0.0.0" and cfg.ray.address == "auto"
-    assert cfg.target.replicas == values.get("target", {}).get("replicas", 1)
+    assert cfg.target.replicas == values.get("target", {}).get("replicas", 1)     # per router
+    assert cfg.trainer.lifetime == ("cluster" if cfg.trainer.enabled else "router")   # the one trainer
     for key, value in values.get("config", {}).items():
         section, field = key.split(".")
         expected = value if value is not None else cfg.target.max_seq_len   # None: follows the target
@@ -175,9 +176,13 @@ def test_a_bad_config_value_fails_specd_validation() -> None:
         load_config(lines)
 
 
+def router_pod(docs: list[dict]) -> dict:
+    return next(d for d in by_kind(docs, "Deployment")
+                if d["metadata"]["name"].endswith("-router"))["spec"]["template"]["spec"]
+
+
 def router_container(docs: list[dict]) -> dict:
-    head = by_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]
-    return next(c for c in head["containers"] if c["name"] == "router")
+    return next(c for c in router_pod(docs)["containers"] if c["name"] == "router")
 
 
 def test_router_service_probes_and_secrets_are_wired(rendered) -> None:
@@ -215,8 +220,7 @@ def test_router_service_probes_and_secrets_are_wired(rendered) -> None:
 
 
 def router_volumes(docs: list[dict]) -> dict:
-    head = by_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]["template"]["spec"]
-    return {v["name"]: v for v in head["volumes"]}
+    return {v["name"]: v for v in router_pod(docs)["volumes"]}
 
 
 def test_worker_groups_gpus_and_redis(rendered) -> None:
@@ -226,6 +230,11 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
     expected = {"target"} | ({"draft"} if not shared else set())
     expected |= {"trainer"} if values.get("trainer", {}).get("enabled", True) else set()
     assert set(groups) == expected
+    # every router owns target.replicas target pods (and as many draft pods)
+    routers = values.get("router", {}).get("replicas", 2)
+    per_router = values.get("target", {}).get("replicas", 1)
+    for group in ({"target", "draft"} & set(groups)):
+        assert groups[group]["replicas"] == routers * per_router, group
     target_gpus = values.get("target", {}).get("gpus", 1)
     limits = groups["target"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits.get("nvidia.com/gpu", 0) == target_gpus
@@ -241,7 +250,7 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
     assert bool(statefulsets) == redis.get("enabled", True)
     if statefulsets:
         claims = statefulsets[0]["spec"].get("volumeClaimTemplates", [])
-        assert bool(claims) == redis.get("persistence", {}).get("enabled", False)
+        assert bool(claims) == redis.get("persistence", {}).get("enabled", True)
         env = statefulsets[0]["spec"]["template"]["spec"]["containers"][0]["env"]
         assert env[0]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
     url = next(e["value"] for e in router_container(docs)["env"] if e["name"] == "SPECD_REDIS_URL")
@@ -283,9 +292,9 @@ def test_values_schema_rejects_bad_values(bad) -> None:
 
 
 def pod_specs(docs: list[dict]) -> dict[str, dict]:
-    """Every pod template of the release by component: the RayCluster's groups and Redis."""
+    """Every pod template of the release by component: the RayCluster's groups, the routers and Redis."""
     ray = by_kind(docs, "RayCluster")[0]["spec"]
-    pods = {"head": ray["headGroupSpec"]["template"]["spec"]}
+    pods = {"head": ray["headGroupSpec"]["template"]["spec"], "router": router_pod(docs)}
     pods.update({g["groupName"]: g["template"]["spec"] for g in ray["workerGroupSpecs"]})
     for redis in by_kind(docs, "StatefulSet"):
         pods["redis"] = redis["spec"]["template"]["spec"]
@@ -317,7 +326,8 @@ def test_network_policy_lets_only_the_router_ports_in_from_outside() -> None:
     assert [list(rule) for rule in internal["ingress"]] == [["from"]]
     peer = internal["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
     assert peer["app.kubernetes.io/instance"] == "rel"
-    # from anywhere: the head's gRPC, HTTP API and metrics ports, and no other
+    # from anywhere: the routers' gRPC, HTTP API and metrics ports, and no other
+    assert router["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
     assert sorted(p["port"] for rule in router["ingress"] for p in rule["ports"]) == [8000, 9464, 50051]
     head = by_kind(docs, "RayCluster")[0]["spec"]["headGroupSpec"]
     assert head["rayStartParams"]["include-dashboard"] == "false"
@@ -325,18 +335,44 @@ def test_network_policy_lets_only_the_router_ports_in_from_outside() -> None:
     assert 8265 not in ports and 10001 not in ports
 
 
-def test_config_changes_roll_out_and_gcs_fault_tolerance(raycluster_validator) -> None:
+def test_config_changes_roll_the_routers_only_and_gcs_fault_tolerance_is_on(raycluster_validator) -> None:
     a, b = render({}), render({"config": {"spec.gamma": 4}})
     ray_a, ray_b = by_kind(a, "RayCluster")[0]["spec"], by_kind(b, "RayCluster")[0]["spec"]
     assert ray_a["upgradeStrategy"]["type"] == "Recreate"
-    checksum = [g["template"]["metadata"]["annotations"]["checksum/config"]
-                for g in [ray_a["headGroupSpec"], ray_b["headGroupSpec"]]]
+    # a config change leaves the Ray pods' templates alone (KubeRay would recreate them all) ...
+    assert ray_a == ray_b
+    # ... and rolls the routers, one at a time
+    checksum = [router_pod_template(docs)["metadata"]["annotations"]["checksum/config"] for docs in (a, b)]
     assert checksum[0] != checksum[1]
-    ft = by_kind(render({"gcsFaultTolerance": {"enabled": True}}), "RayCluster")[0]
+    deployment = next(d for d in by_kind(a, "Deployment") if d["metadata"]["name"].endswith("-router"))
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    pdbs = {d["metadata"]["name"]: d["spec"] for d in by_kind(a, "PodDisruptionBudget")}
+    assert pdbs["rel-specd-router"]["maxUnavailable"] == 1
+    anti = router_pod(a)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    spread = anti[0]["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert spread["app.kubernetes.io/component"] == "router"
+    svc = next(d for d in by_kind(a, "Service") if d["metadata"]["name"].endswith("-router"))
+    assert svc["spec"]["selector"]["app.kubernetes.io/component"] == "router"
+    # no router left on the head: its pod is the GCS only
+    assert [c["name"] for c in ray_a["headGroupSpec"]["template"]["spec"]["containers"]] == ["ray-head"]
+    # the routers' Ray node joins the head's Service, offers no CPU, and waits out a GCS restart
+    ray_c = router_pod(a)["containers"][0]
+    assert "--address=rel-specd-head-svc.specd.svc.cluster.local:6379" in ray_c["command"][2]
+    assert "--num-cpus=0" in ray_c["command"][2] and "--block" in ray_c["command"][2]
+    assert {"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": "600"} in ray_c["env"]
+    ft = by_kind(a, "RayCluster")[0]
     assert not list(raycluster_validator.iter_errors(ft))
     opts = ft["spec"]["gcsFaultToleranceOptions"]
     assert opts["redisAddress"] == "rel-specd-redis.specd.svc:6379"
     assert opts["redisPassword"]["valueFrom"]["secretKeyRef"]["key"] == "redis-password"
+    off = by_kind(render({"gcsFaultTolerance": {"enabled": False}}), "RayCluster")[0]
+    assert "gcsFaultToleranceOptions" not in off["spec"]
+
+
+def router_pod_template(docs: list[dict]) -> dict:
+    return next(d for d in by_kind(docs, "Deployment")
+                if d["metadata"]["name"].endswith("-router"))["spec"]["template"]
 
 
 def test_grafana_dashboard_shows_the_serving_series() -> None:

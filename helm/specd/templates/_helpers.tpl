@@ -211,3 +211,18 @@ topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{/* A router pod's `ray start`, as KubeRay writes a worker's (tests/helm/kuberay.py): joins the head
+Service, offers no CPUs (no actor lands on a router's node) and the specd_router resource. */}}
+{{- define "specd.routerRayStart" -}}
+{{- $address := printf "%s-head-svc.%s.svc.cluster.local:%v" (include "specd.fullname" .root) .root.Release.Namespace .headPort }}
+{{- $params := dict "address" $address "num-cpus" "0" "block" "true" "metrics-export-port" "8080" "dashboard-agent-listen-port" "52365" }}
+{{- range $k, $v := .root.Values.router.rayStartParams }}{{ $_ := set $params $k (toString $v) }}{{ end -}}
+ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; exec ray start --resources='{"specd_router":1}'
+{{- range $k := keys $params | sortAlpha }}{{ $v := index $params $k }}{{ if eq $v "true" }} --{{ $k }}{{ else }} --{{ $k }}={{ $v }}{{ end }}{{ end }}
+{{- end }}
+
+{{/* The dashboard agent's port on a router pod: where its Ray node answers /api/healthz. */}}
+{{- define "specd.routerAgentPort" -}}
+{{- index .Values.router.rayStartParams "dashboard-agent-listen-port" | default 52365 }}
+{{- end }}
