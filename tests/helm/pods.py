@@ -151,6 +151,25 @@ class Pod:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     c.proc.wait(timeout=30)
 
+    def terminate(self, grace_s: float) -> float:
+        """The pod deleted gracefully, as the kubelet deletes it (a drain, a rolling update): SIGTERM to
+        each container's main process at once, SIGKILL to what is left after the grace period. Returns
+        the seconds until every container had exited."""
+        self.alive = False
+        for t in self._threads:
+            t.join(timeout=5)
+        t0 = time.monotonic()
+        for c in self.containers:
+            if c.proc is not None and c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(c.proc.pid, signal.SIGTERM)
+        while time.monotonic() - t0 < grace_s and any(
+                c.proc is not None and c.proc.poll() is None for c in self.containers):
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        self.kill()
+        return took
+
     def stop(self) -> None:
         """Graceful end of the test: SIGTERM, then what is left is killed."""
         self.alive = False

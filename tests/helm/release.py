@@ -154,6 +154,7 @@ class Release:
         self.overrides = config["data"]["overrides.txt"]
         deployment = next(d for d in docs if d["kind"] == "Deployment")
         self.routers = [f"router-{i}" for i in range(deployment["spec"]["replicas"])]
+        self.router_grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert len(self.routers) == len(ports), "one set of ports per router pod"
         for i, name in enumerate(self.routers):
             self._router(root, name, deployment["spec"]["template"]["spec"]["containers"], ports[i])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -361,6 +362,10 @@ def test_config_changes_roll_the_routers_only_and_gcs_fault_tolerance_is_on(rayc
     assert "--address=rel-specd-head-svc.specd.svc.cluster.local:6379" in ray_c["command"][2]
     assert "--num-cpus=0" in ray_c["command"][2] and "--block" in ray_c["command"][2]
     assert {"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": "600"} in ray_c["env"]
+    # probed where its dashboard agent listens, as KubeRay probes its own worker pods
+    agent = re.search(r"--dashboard-agent-listen-port=(\d+)", ray_c["command"][2]).group(1)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert ray_c[probe]["httpGet"] == {"path": "/api/healthz", "port": int(agent)}
     ft = by_kind(a, "RayCluster")[0]
     assert not list(raycluster_validator.iter_errors(ft))
     opts = ft["spec"]["gcsFaultToleranceOptions"]

@@ -14,7 +14,9 @@ addresses, as a Service spreads connections):
 - the head pod is killed and started again while 4 clients stream: no request fails;
 - a router pod is killed and started again while 4 clients send requests: the retrying client loses
   none (a call cut before its answer is tried again on the other router), and the restarted router
-  serves again with actors of its own.
+  serves again with actors of its own;
+- the other router pod is deleted gracefully (SIGTERM, as a drain or a rolling update does) while 4
+  clients stream: its streams finish, new calls go to the other router, none fails.
 The figures (first request -> first cross-pod swap, each restart's effect on clients) are printed. The
 target and drafter are tiny random Llamas with SmolLM2's tokenizer, so it runs on CPU.
 """
@@ -232,16 +234,22 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release, reference) -
     c.close()
 
 
+def restart(release, name: str) -> tuple[float, float]:
+    """The pod deleted (every process SIGKILLed) and created again: (when it was killed, seconds until
+    it was ready again)."""
+    pod = release.pods[name]
+    killed = time.monotonic()
+    pod.kill()
+    pod.start(fresh=True)
+    return killed, wait_for(lambda: release.ready(name), 600, f"{name} ready again", tail=release.tail)
+
+
 def test_a_head_restart_fails_no_request(release, reference) -> None:
     """GCS fault tolerance: the routers and the actors live on other pods and keep serving while the head
     is gone; the restarted GCS takes the cluster back from Redis."""
-    head = release.pods["head"]
     with Load(release, reference, stream=True) as load:
         load.wait_served(8)
-        killed = time.monotonic()
-        head.kill()
-        head.start(fresh=True)
-        recovered = wait_for(lambda: release.ready("head"), 600, "head ready again", tail=release.tail)
+        killed, recovered = restart(release, "head")
         during = load.ok
         # and after: without fault tolerance the new GCS does not know the old nodes and their raylets
         # go, with every actor (seen in a control run with gcsFaultTolerance.enabled=false); give that
@@ -258,14 +266,9 @@ def test_a_head_restart_fails_no_request(release, reference) -> None:
 def test_a_router_restart_fails_no_request_through_the_retrying_client(release, reference) -> None:
     """A router pod killed mid-request: calls cut before their answer are tried again on the other router;
     the restarted router starts actors of its own again (its old ones died with it) and serves."""
-    router = release.pods["router-0"]
     with Load(release, reference, stream=False) as load:
         load.wait_served(8)
-        killed = time.monotonic()
-        router.kill()
-        router.start(fresh=True)
-        recovered = wait_for(lambda: release.ready("router-0"), 600, "router-0 ready again",
-                             tail=release.tail)
+        killed, recovered = restart(release, "router-0")
         load.wait_served(8)
     print(f"restart of pod router-0: ready again after {recovered:.1f} s; 4 clients: {load.ok} requests "
           f"succeeded (exact), {load.failed} failed ({time.monotonic() - killed:.0f} s)", flush=True)
@@ -273,3 +276,23 @@ def test_a_router_restart_fails_no_request_through_the_retrying_client(release, 
     assert load.failed == 0, load.errors[:5]
     with release.client([0]) as c:      # the restarted router itself
         assert c.generate(prompt=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids == reference[PROMPTS[1]]
+
+
+def test_a_drained_router_finishes_its_streams(release, reference) -> None:
+    """A rolling update or a node drain deletes a router pod gracefully: SIGTERM to both its containers.
+    The router stops taking requests (the client tries them on the other router) and finishes the
+    streams it has; the replacement pod serves again."""
+    grace = release.router_grace_s
+    with Load(release, reference, stream=True) as load:
+        load.wait_served(8)
+        took = release.pods["router-1"].terminate(grace)
+        release.pods["router-1"].start(fresh=True)
+        recovered = wait_for(lambda: release.ready("router-1"), 600, "router-1 ready again",
+                             tail=release.tail)
+        load.wait_served(8)
+    print(f"drain of pod router-1: its containers exited {took:.1f} s after SIGTERM (grace {grace} s), "
+          f"the new one ready after {recovered:.1f} s; 4 streaming clients: {load.ok} requests "
+          f"succeeded (exact), {load.failed} failed", flush=True)
+    assert not load.wrong, load.wrong
+    assert load.failed == 0, load.errors[:5]
+    assert took < grace, "a container outlived the grace period and was killed"
