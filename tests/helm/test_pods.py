@@ -134,6 +134,10 @@ class Load:
         for t in self._threads:
             t.join(timeout=180)
 
+    def assert_all_answered_exactly(self) -> None:
+        assert not self.wrong, self.wrong
+        assert self.failed == 0, self.errors[:5]
+
     def wait_served(self, count: int, timeout: float = 300) -> None:
         """Until `count` more requests have been answered."""
         target = self.ok + count
@@ -259,8 +263,7 @@ def test_a_head_restart_fails_no_request(release, reference) -> None:
     print(f"restart of pod head: ready again after {recovered:.1f} s; 4 streaming clients: {load.ok} "
           f"requests succeeded (exact; {during} by the head's return), {load.failed} failed "
           f"(restart began {time.monotonic() - killed:.0f} s ago)", flush=True)
-    assert not load.wrong, load.wrong
-    assert load.failed == 0, load.errors[:5]
+    load.assert_all_answered_exactly()
 
 
 def test_a_router_restart_fails_no_request_through_the_retrying_client(release, reference) -> None:
@@ -272,8 +275,7 @@ def test_a_router_restart_fails_no_request_through_the_retrying_client(release, 
         load.wait_served(8)
     print(f"restart of pod router-0: ready again after {recovered:.1f} s; 4 clients: {load.ok} requests "
           f"succeeded (exact), {load.failed} failed ({time.monotonic() - killed:.0f} s)", flush=True)
-    assert not load.wrong, load.wrong
-    assert load.failed == 0, load.errors[:5]
+    load.assert_all_answered_exactly()
     with release.client([0]) as c:      # the restarted router itself
         assert c.generate(prompt=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids == reference[PROMPTS[1]]
 
@@ -293,6 +295,5 @@ def test_a_drained_router_finishes_its_streams(release, reference) -> None:
     print(f"drain of pod router-1: its containers exited {took:.1f} s after SIGTERM (grace {grace} s), "
           f"the new one ready after {recovered:.1f} s; 4 streaming clients: {load.ok} requests "
           f"succeeded (exact), {load.failed} failed", flush=True)
-    assert not load.wrong, load.wrong
-    assert load.failed == 0, load.errors[:5]
+    load.assert_all_answered_exactly()
     assert took < grace, "a container outlived the grace period and was killed"
