@@ -69,6 +69,7 @@ class Container:
     name: str
     command: str                     # run by bash -c, as KubeRay's args are
     env: dict[str, str]
+    pre_stop: list[str] | None = None    # lifecycle.preStop.exec.command: run before its SIGTERM
     proc: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -159,10 +160,17 @@ class Pod:
         for t in self._threads:
             t.join(timeout=5)
         t0 = time.monotonic()
-        for c in self.containers:
+
+        def stop(c: Container) -> None:         # per container, all at once: its preStop, then SIGTERM
+            if c.pre_stop:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    subprocess.run(c.pre_stop, env=c.env, timeout=grace_s)
             if c.proc is not None and c.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(c.proc.pid, signal.SIGTERM)
+
+        for c in self.containers:
+            threading.Thread(target=stop, args=(c,), daemon=True).start()
         while time.monotonic() - t0 < grace_s and any(
                 c.proc is not None and c.proc.poll() is None for c in self.containers):
             time.sleep(0.2)

@@ -209,7 +209,8 @@ class Release:
         assert ray_c["command"][:2] == ["bash", "-c"]
         cmd = own_ports(ray_c["command"][2], pod.root)
         cmd = re.sub(r"--address=\S+", f"--address=127.0.0.1:{self.head_port}", cmd)
-        pod.containers.append(Container("ray-worker", cmd, self.env(ray_c, pod)))
+        pre_stop = ray_c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+        pod.containers.append(Container("ray-worker", cmd, self.env(ray_c, pod), pre_stop=pre_stop))
         agent = int(re.search(r"--dashboard-agent-listen-port=(\d+)", cmd).group(1))
         assert ray_c["readinessProbe"]["httpGet"]["path"] == kuberay.RAY_NODE_HEALTH_PATH
         self.probes[name] = (agent, kuberay.RAY_NODE_HEALTH_PATH)
