@@ -14,7 +14,7 @@ the torch backend (steps without drafts emit one token) and one (Draft, VerifyRe
 record of online distillation, carrying the target's top-k log-probabilities when `teacher_topk` > 0
 (vLLM's raw logprobs of the emitted positions). The Draft holds the ids and version the proposer filed
 for the step (workers/engine/vllm_link.py); where it filed none, the accepted prefix, the only drafts the
-output shows, and the configured version.
+output shows, and the version drafting when the step was read.
 
 Speculation modes: "specd" (specd's drafter, the default when spec.enabled), "vllm-draft-model" (specd's
 model drafter exported as a plain checkpoint for vLLM's own draft_model proposer, new versions loaded by
@@ -223,7 +223,8 @@ class VllmEngine:
         self.llm = LLM(**kwargs)
         self._count = 0
         self._warned_tree = False
-        self._live: dict[str, tuple[Sequence, list[list[int]], list]] = {}
+        # per live request: its Sequence, the output deltas, their logprobs and the version drafting at each
+        self._live: dict[str, tuple[Sequence, list[list[int]], list, list[str | None]]] = {}
         self.profile_s = self._profile_costs()
         self.load_s = time.perf_counter() - t0
 
@@ -325,7 +326,7 @@ class VllmEngine:
                 reqs = [NewRequest(f"profile-{b}-{i}", prompt[i % 8:] + prompt[: i % 8], Sampling(), budget)
                         for i in range(b)]
                 self.submit(reqs, ignore_eos=True)
-                while any(not seq.output for seq, _, _ in self._live.values()):
+                while any(not live[0].output for live in self._live.values()):
                     self.step()                           # the prefills
                 for gamma_k in drafts:
                     link.force_gamma = gamma_k
@@ -388,6 +389,10 @@ class VllmEngine:
         can submit between steps."""
         from vllm import TokensPrompt
 
+        if self.native is not None:
+            # a parked version goes in before the requests do: where the engine core is its own process it
+            # steps as soon as they arrive, and their first steps would draft with the version before it
+            self.native.apply_pending(self.llm.llm_engine)
         eos = () if ignore_eos else self.eos_token_ids
         seqs = []
         for req in requests:
@@ -404,7 +409,7 @@ class VllmEngine:
                 key = prefix_key(np.asarray(req.prompt_token_ids))
                 self.link.expect(key, req.spec.enabled, req.spec.gamma)
             self.llm.llm_engine.add_request(vllm_id, prompt, self._sampling(req, ignore_eos))
-            self._live[vllm_id] = (seq, [], [])
+            self._live[vllm_id] = (seq, [], [], [])
             seqs.append(seq)
         return seqs
 
@@ -414,7 +419,7 @@ class VllmEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests by our ids; their Sequences finish with reason CANCELLED."""
         wanted = set(request_ids)
-        hits = [vid for vid, (seq, _, _) in self._live.items() if seq.request_id in wanted]
+        hits = [vid for vid, live in self._live.items() if live[0].request_id in wanted]
         self.llm.llm_engine.abort_request(hits)
         for vid in hits:
             self._live.pop(vid)[0].abort()
@@ -431,22 +436,23 @@ class VllmEngine:
         for out in self.llm.llm_engine.step():
             if out.request_id not in self._live:
                 continue  # aborted meanwhile
-            seq, deltas, logprobs = self._live[out.request_id]
+            seq, deltas, logprobs, versions = self._live[out.request_id]
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
             if tokens:
                 deltas.append(tokens)
+                versions.append(self.version())
                 logprobs.append(list(completion.logprobs or []))
                 emitted = seq.start(tokens) if len(deltas) == 1 else seq.append(tokens)
                 if on_step:
                     on_step(seq, emitted)
             if out.finished:
                 del self._live[out.request_id]
-                self._finish(seq, deltas, logprobs, completion, on_record)
+                self._finish(seq, deltas, logprobs, versions, completion, on_record)
                 finished.append(seq)
         return finished
 
-    def _finish(self, seq: Sequence, deltas, logprobs, completion, on_record) -> None:
+    def _finish(self, seq: Sequence, deltas, logprobs, versions, completion, on_record) -> None:
         metrics = completion.spec_decode_metrics
         drafted = list(metrics.per_step_drafted) if metrics is not None else []
         accepted = list(metrics.per_step_accepted) if metrics is not None else []
@@ -455,8 +461,9 @@ class VllmEngine:
         # the key of the history before each step, fed step by step: O(tokens) for the whole request
         history = PrefixHasher(seq.request.prompt_token_ids)
         history.update(deltas[0] if deltas else [])
-        for (num_drafted, num_accepted), tokens, lps in zip(steps, deltas[1:], logprobs[1:], strict=True):
-            draft = self._filed_draft(seq.request_id, history, num_drafted, num_accepted, tokens)
+        per_step = zip(steps, deltas[1:], logprobs[1:], versions[1:], strict=True)
+        for (num_drafted, num_accepted), tokens, lps, read_at in per_step:
+            draft = self._filed_draft(seq.request_id, history, num_drafted, num_accepted, tokens, read_at)
             history.update(tokens)
             bonus = num_accepted == num_drafted
             version = draft.drafter_version or None
@@ -470,15 +477,16 @@ class VllmEngine:
             seq.abort(FinishReason.LENGTH if completion.finish_reason == "length" else FinishReason.CANCELLED)
 
     def _filed_draft(self, request_id: str, history: PrefixHasher, num_drafted: int, num_accepted: int,
-                     emitted: list[int]) -> Draft:
+                     emitted: list[int], version: str | None) -> Draft:
         """The draft a step verified: what the proposer filed after `history` (the prompt and output before
-        the step) when it agrees with vLLM's counts and the emitted tokens, else the accepted prefix."""
+        the step) when it agrees with vLLM's counts and the emitted tokens, else the accepted prefix and
+        `version`, the one drafting when the step's output was read."""
         if not num_drafted:
             return Draft(request_id, [])
         filed = self.link.pop(history.key()) if self.link is not None else None
         seen = min(num_accepted, len(emitted))       # a last step cut by max_tokens shows fewer
         if filed is not None:
-            ids, version = filed
+            ids, filed_version = filed
             if len(ids) == num_drafted and ids[:seen] == emitted[:seen]:
-                return Draft(request_id, list(ids), drafter_version=version)
-        return Draft(request_id, list(emitted[:seen]), drafter_version=self.version() or "")
+                return Draft(request_id, list(ids), drafter_version=filed_version)
+        return Draft(request_id, list(emitted[:seen]), drafter_version=version or "")

@@ -194,20 +194,21 @@ def test_proposer_files_its_drafts_for_the_records(tmp_path, tiny_drafter_dir):
     drafts = fake.step(proposer)
     assert proposer.link.serving_version == "tiny-1"
     keys = {r: prefix_key(np.array(fake.histories[r], dtype=np.int32)) for r in drafts}
-    engine = SimpleNamespace(link=proposer.link, version=lambda: "configured")
+    engine = SimpleNamespace(link=proposer.link)
     history = PrefixHasher(fake.histories[0])
     d0 = drafts[0]
     # vLLM kept the first two drafts and emitted a recovered token: the filed ids come back, once
-    got = VllmEngine._filed_draft(engine, "a", history, len(d0), 2, [*d0[:2], 99])
+    got = VllmEngine._filed_draft(engine, "a", history, len(d0), 2, [*d0[:2], 99], "read-at")
     assert got.tokens == d0 and got.drafter_version == "tiny-1"
     assert proposer.link.pop(keys[0]) is None
-    # counts that disagree with what was filed (or nothing filed): the accepted prefix, configured version
+    # counts that disagree with what was filed (or nothing filed): the accepted prefix, the version that
+    # drafted when the step was read
     d1 = drafts[1]
     history1 = PrefixHasher(fake.histories[1])
-    got = VllmEngine._filed_draft(engine, "b", history1, len(d1) + 1, 1, [d1[0], 5])
-    assert got.tokens == [d1[0]] and got.drafter_version == "configured"
-    got = VllmEngine._filed_draft(engine, "c", PrefixHasher([1, 2]), 3, 0, [5])
-    assert got.tokens == [] and got.drafter_version == "configured"
+    got = VllmEngine._filed_draft(engine, "b", history1, len(d1) + 1, 1, [d1[0], 5], "read-at")
+    assert got.tokens == [d1[0]] and got.drafter_version == "read-at"
+    got = VllmEngine._filed_draft(engine, "c", PrefixHasher([1, 2]), 3, 0, [5], "read-at")
+    assert got.tokens == [] and got.drafter_version == "read-at"
 
 
 def test_common_prefix():

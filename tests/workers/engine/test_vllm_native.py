@@ -70,19 +70,19 @@ def test_native_draft_model_is_exact_and_follows_published_versions(tmp_path, mo
         assert sum(s.stats.drafted for s in first) > 0 and sum(accepted) > 0
         assert {d.drafter_version for d, r in records if r.num_drafted} == {start}
 
-        # a version that drafts badly (a random head: its drafts are near-random tokens; a negated head
-        # still had 32 of 63 accepted in one CI run): output unchanged, acceptance falls, records say so
-        torch.manual_seed(0)
-        bad = {k: (torch.randn_like(v) * v.std() if k == "lm_head.weight" else v) for k, v in state.items()}
+        # a version that cannot draft: a zero head scores every id 0, so its greedy draft is always id 0
+        # (argmax's first), which the target never emits here; a random or negated head drafted frequent
+        # tokens and had up to 32 of 63 accepted
+        assert all(0 not in s.output for s in first), "the zero head's draft must be a token never served"
+        bad = {k: (torch.zeros_like(v) if k == "lm_head.weight" else v) for k, v in state.items()}
         worse = store.publish(bad, config, version=None, parent=None, target_checksum=checksum)
         wait_parked(engine, worse)
         records.clear()
         second = generate(engine, prompts, n, records)
         assert engine.version() == worse != start
         assert [s.output for s in second] == reference
-        bad_accepted = sum(s.stats.accepted for s in second)
-        print(f"accepted: first version {sum(accepted)}, random-head version {bad_accepted}")
-        assert bad_accepted < sum(accepted) / 2, (bad_accepted, accepted)
+        # none accepted: every step of these requests drafted with the new version, from their first
+        assert sum(s.stats.accepted for s in second) == 0, [s.stats.accepted for s in second]
         assert {d.drafter_version for d, r in records if r.num_drafted} == {worse}
 
         # the first weights again, as a new version: acceptance comes back, near but not exactly to where
@@ -93,7 +93,7 @@ def test_native_draft_model_is_exact_and_follows_published_versions(tmp_path, mo
         third = generate(engine, prompts, n)
         assert [s.output for s in third] == reference
         back = sum(s.stats.accepted for s in third)
-        assert back >= 0.75 * sum(accepted) and back > 2 * bad_accepted, (back, accepted, bad_accepted)
+        assert back >= 0.75 * sum(accepted), (back, accepted)
         assert engine.swap_stats()["swaps"] == 2
 
         # a version of another shape is rejected before it reaches vLLM; the serving one stays
