@@ -27,6 +27,9 @@ def add_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca-file", default=None, help="PEM CA that signed the server's certificate")
     p.add_argument("--cert-file", default=None, help="client certificate (PEM) for mutual TLS")
     p.add_argument("--key-file", default=None, help="client key (PEM) for mutual TLS")
+    p.add_argument("--server-name", default=None,
+                   help="gRPC over TLS: the name the server's certificate must carry, where the address does "
+                        "not say it (a router pod's IP behind a certificate for the Service's name)")
     p.add_argument("--token-file", default=None, help="file whose first line is the bearer token")
     p.add_argument("--token-env", default="SPECD_TOKEN",
                    help="environment variable holding the bearer token (default SPECD_TOKEN)")
@@ -41,7 +44,7 @@ def client_security(args: argparse.Namespace):
     from specd.cluster.client import Security
 
     return Security(tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file,
-                    token=client_token(args.token_file, args.token_env))
+                    token=client_token(args.token_file, args.token_env), server_name=args.server_name)
 
 
 def _summary(reason: str, usage: dict[str, Any]) -> str:
@@ -103,6 +106,10 @@ def http_body(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 def _generate_http(args: argparse.Namespace) -> int:
     from specd.cluster.auth import client_token
 
+    if args.server_name:
+        print("error: --server-name is for gRPC; over HTTP, address the server by a name its certificate "
+              "carries", file=sys.stderr)
+        return 2
     tls = args.tls or bool(args.ca_file)
     address = args.address or f"{ServerConfig.host}:{ServerConfig.http_port}"
     path, body = http_body(args)

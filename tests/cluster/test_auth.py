@@ -149,6 +149,22 @@ def test_a_list_of_router_addresses_over_tls_names_the_certificate(secured) -> N
         assert call_code(c) == grpc.StatusCode.UNAVAILABLE
 
 
+def test_specd_generate_names_the_certificate_of_a_listed_address(secured, monkeypatch, capsys) -> None:
+    from specd.cluster.cli import main
+
+    port = secured.address.rsplit(":", 1)[1]
+    monkeypatch.setenv("SPECD_TOKEN", TOKEN)
+    listed = f"ipv4:127.0.0.1:{port},127.0.0.1:{port}"
+    base = ["generate", "hi", "--raw", "--address", listed, "--ca-file", secured.cert,
+            "--max-new-tokens", "3", "--timeout", "20"]
+    assert main(base) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err                  # no name to check the certificate
+    assert main([*base, "--server-name", "localhost"]) == 0
+    assert "3 tokens" in capsys.readouterr().err
+    assert main([*base, "--server-name", "localhost", "--http"]) == 2
+    assert "--server-name is for gRPC" in capsys.readouterr().err
+
+
 def test_plaintext_client_cannot_talk_to_the_tls_port(secured) -> None:
     with SpecdClient(secured.address, timeout=5, security=Security(token=TOKEN)) as c:
         assert call_code(c) == grpc.StatusCode.UNAVAILABLE
