@@ -179,6 +179,18 @@ def served_commit(tree: str | None) -> str:
     return f"{sha}+dirty" if dirty else sha
 
 
+def start_idle_load(fraction: float | None):
+    """bench/idle_load.py beside the server for the run (None: no load)."""
+    if fraction is None:
+        return None
+    import subprocess
+
+    from specd.bench.idle_load import check_fraction
+
+    check_fraction(fraction)
+    return subprocess.Popen([sys.executable, "-m", "specd.bench.idle_load", str(fraction)])
+
+
 def run_bench(args: argparse.Namespace) -> int:
     fresh_prompts, after_prompts = heldout_halves(args.prompts)
     stream = stream_prompts(args.stream)
@@ -198,6 +210,7 @@ def run_bench(args: argparse.Namespace) -> int:
     started = time.time()
     server = ServerProcess(overrides, logs / "server.log", env=env, module=module,
                            cwd=Path(args.server_tree).resolve() if args.server_tree else None)
+    load = start_idle_load(args.beside_load)
     try:
         counts = [by_version(server.metrics_url)]
         fresh = on_then_off(server.address, fresh_prompts, args.max_new_tokens, "fresh (on, off)")
@@ -209,6 +222,9 @@ def run_bench(args: argparse.Namespace) -> int:
         after = on_then_off(server.address, after_prompts, args.max_new_tokens, "after (on, off)")
         counts.append(by_version(server.metrics_url))
     finally:
+        if load is not None:
+            load.kill()
+            load.wait()
         server.stop()
     for phase, (before, now) in zip((fresh, streamed, after), itertools.pairwise(counts), strict=True):
         phase["sources"] = phase_sources(before, now)
@@ -232,7 +248,7 @@ def run_bench(args: argparse.Namespace) -> int:
         meta = {"prompts": args.prompts, "stream": args.stream, "clients": args.clients,
                 "server_tree": args.server_tree, "server_commit": served_commit(args.server_tree),
                 "fresh_cache": args.fresh_cache, "max_new_tokens": args.max_new_tokens,
-                "overrides": list(args.overrides),
+                "overrides": list(args.overrides), "beside_load": args.beside_load,
                 "host_cpus": os.cpu_count(), "duration_s": time.time() - started, "logs": str(logs)}
         path.write_text(json.dumps({"meta": meta, **result}, indent=2))
         plot(result, path.with_suffix(".png"))
@@ -276,6 +292,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fresh-cache", action="store_true",
                         help="the server gets a cache of its own (no drafter, no trainer state), to "
                              "compare commits")
+    parser.add_argument("--beside-load", type=float, default=None, metavar="F",
+                        help="a one-thread load at the trainer's priority (SCHED_IDLE) beside the server, "
+                             "busy F of the time (0 < F <= 1): what colocated background work costs "
+                             "serving")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. trainer=off")
 
 

@@ -387,6 +387,8 @@ def chat(root: Path, files: list[str], where: dict[str, str]) -> str:
         config = " ".join(doc["meta"]["overrides"]) or "default"
         if doc["meta"].get("server_tree"):       # another checkout's server, side by side (issue 61)
             config = f"{doc['meta']['server_commit']} {config}"
+        if doc["meta"].get("beside_load"):        # bench/idle_load.py beside the server
+            config = f"{config}, idle load {doc['meta']['beside_load']:.0%}"
         for phase in ("fresh", "after"):
             r = doc[phase]
             stream = f"{doc['stream']['tokens_per_s']:.1f}" if phase == "after" else ""

@@ -120,3 +120,29 @@ def test_a_fresh_cache_shares_the_target_and_the_teacher_data_and_nothing_else(t
     assert not (root / "drafters").exists()
     copied.write_text("written by the run")          # the run's teacher data never reaches the shared cache
     assert (shared / "bootstrap_data" / "teacher-1.safetensors").read_text() == "cached"
+
+
+@pytest.mark.slow      # a child process that imports torch
+def test_the_idle_load_runs_at_the_trainers_priority_and_stops_with_the_bench() -> None:
+    import os
+    import time
+
+    from specd.bench.idle_load import check_fraction
+
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="must lie in"):
+            chat_heldout.start_idle_load(bad)
+    assert chat_heldout.start_idle_load(None) is None and check_fraction(1.0) == 1.0
+    load = chat_heldout.start_idle_load(0.5)
+    try:
+        deadline = time.monotonic() + 60
+        # it lowers its own priority first thing; wait until it has
+        while os.sched_getscheduler(load.pid) != os.SCHED_IDLE:
+            assert load.poll() is None, "the idle load exited"
+            assert time.monotonic() < deadline, "the idle load never went to SCHED_IDLE"
+            time.sleep(0.05)
+        assert os.getpriority(os.PRIO_PROCESS, load.pid) >= 10
+    finally:
+        load.kill()
+        load.wait()
+    assert load.returncode is not None
