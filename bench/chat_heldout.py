@@ -278,6 +278,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _load_fraction(text: str) -> float:
+    """--beside-load's F, refused at parse time (before a server starts)."""
+    from specd.bench.idle_load import check_fraction
+
+    try:
+        return check_fraction(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=16,
                         help="held-out prompts per phase (default 16; 32 exist)")
@@ -292,7 +302,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fresh-cache", action="store_true",
                         help="the server gets a cache of its own (no drafter, no trainer state), to "
                              "compare commits")
-    parser.add_argument("--beside-load", type=float, default=None, metavar="F",
+    parser.add_argument("--beside-load", type=_load_fraction, default=None, metavar="F",
                         help="a one-thread load at the trainer's priority (SCHED_IDLE) beside the server, "
                              "busy F of the time (0 < F <= 1): what colocated background work costs "
                              "serving")

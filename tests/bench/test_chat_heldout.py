@@ -3,6 +3,7 @@ hand-set times (a stand-in client), and the plot."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -132,6 +133,10 @@ def test_the_idle_load_runs_at_the_trainers_priority_and_stops_with_the_bench() 
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="must lie in"):
             chat_heldout.start_idle_load(bad)
+        parser = argparse.ArgumentParser()
+        chat_heldout.add_arguments(parser)
+        with pytest.raises(SystemExit):                  # refused before any server starts
+            parser.parse_args(["--beside-load", str(bad)])
     assert chat_heldout.start_idle_load(None) is None and check_fraction(1.0) == 1.0
     load = chat_heldout.start_idle_load(0.5)
     try:
