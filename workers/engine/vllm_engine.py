@@ -433,7 +433,9 @@ class VllmEngine:
         if self.native is not None:
             self.native.apply_pending(self.llm.llm_engine)    # between steps: one version per step
         finished = []
-        for out in self.llm.llm_engine.step():
+        outputs = self.llm.llm_engine.step()
+        read_at = self.version() if outputs else None     # once a step: it can stat a status file
+        for out in outputs:
             if out.request_id not in self._live:
                 continue  # aborted meanwhile
             seq, deltas, logprobs, versions = self._live[out.request_id]
@@ -441,7 +443,7 @@ class VllmEngine:
             tokens = list(completion.token_ids)
             if tokens:
                 deltas.append(tokens)
-                versions.append(self.version())
+                versions.append(read_at)
                 logprobs.append(list(completion.logprobs or []))
                 emitted = seq.start(tokens) if len(deltas) == 1 else seq.append(tokens)
                 if on_step:
