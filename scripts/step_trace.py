@@ -5,7 +5,9 @@ time and mean tokens emitted, by batch size and by how many tokens the step draf
     python scripts/step_trace.py /tmp/steps.jsonl [--json summary.json] [--batch 1] [--pid N]
 
 Steps that asked no drafter (speculation off, or the guard or pause kept it) are the `plain` row;
-`drafted 0` steps asked the drafter and got nothing.
+`drafted 0` steps asked the drafter and got nothing. `--alone` keeps only the steps that overlapped no other
+step of their process: one request in flight and nothing pipelined beside it (the held-out phases of
+`specd bench chat`), where a step's time is its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+
+def alone(lines: list[dict]) -> list[dict]:
+    """The steps whose [started, started + step_s] meets no other step's interval in the same process."""
+    keep = []
+    for pid in dict.fromkeys(s["pid"] for s in lines):
+        steps = sorted((s for s in lines if s["pid"] == pid), key=lambda s: s["started"])
+        ends = [s["started"] + s["step_s"] for s in steps]
+        reach = float("-inf")           # the latest end of the steps before this one
+        for i, s in enumerate(steps):
+            after = steps[i + 1]["started"] if i + 1 < len(steps) else float("inf")
+            if s["started"] >= reach and ends[i] <= after:
+                keep.append(s)
+            reach = max(reach, ends[i])
+    return keep
 
 
 def summarise(lines: list[dict], batch: int | None = None, pid: int | None = None) -> list[dict]:
@@ -49,12 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="only steps of this batch size")
     ap.add_argument("--pid", type=int, default=None,
                     help="only steps of this process (each server of `specd bench osd --arms` has its own)")
+    ap.add_argument("--alone", action="store_true",
+                    help="only steps that overlapped no other step of their process (nothing pipelined)")
     ap.add_argument("--min-steps", type=int, default=10, help="print only rows with at least this many steps")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = ap.parse_args(argv)
     lines = [json.loads(line) for line in args.trace.read_text().splitlines() if line.strip()]
     pids = list(dict.fromkeys(s["pid"] for s in lines))
     print(f"{len(lines)} steps from processes {pids} (in order of their first step)")
+    if args.alone:
+        lines = alone(lines)
+        print(f"{len(lines)} of them overlapped no other step")
     rows = summarise(lines, args.batch, args.pid)
     print("| batch | step | steps | ms/step | propose ms | verify ms | tokens emitted |")
     print("|---|---|---|---|---|---|---|")
@@ -64,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['verify_ms']} | {r['emitted']} |")
     if args.json is not None:
         summary = {"trace": str(args.trace), "steps": len(lines), "batch": args.batch, "pid": args.pid,
-                   "rows": rows}
+                   "alone": args.alone, "rows": rows}
         args.json.write_text(json.dumps(summary, indent=1))
     return 0
 

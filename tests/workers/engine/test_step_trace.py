@@ -61,3 +61,17 @@ def test_one_line_per_step_and_the_summary_counts_them_all(target, tmp_path, mon
     assert {r["batch"] for r in rows} <= {1, 2}
     drafted_rows = [r for r in rows if r["kind"] != "plain"]
     assert drafted_rows and all(r["emitted"] >= 1 for r in drafted_rows)
+
+
+def test_alone_keeps_the_steps_nothing_overlapped() -> None:
+    def step(pid: int, started: float, seconds: float) -> dict:
+        return {"pid": pid, "started": started, "step_s": seconds}
+    lines = [
+        step(1, 0.0, 1.0),      # alone
+        step(1, 2.0, 2.0),      # overlaps the next: pipelined
+        step(1, 3.0, 0.5),      # inside the one before
+        step(1, 4.5, 1.0),      # alone again (touching an end is not overlapping)
+        step(2, 3.2, 0.1),      # another process's step overlaps nothing of process 1's
+    ]
+    kept = _summary_module().alone(lines)
+    assert [(s["pid"], s["started"]) for s in kept] == [(1, 0.0), (1, 4.5), (2, 3.2)]
