@@ -22,7 +22,9 @@ requests verified together in one target forward, we pick (γ_i, w_i) to maximis
   (docs/decisions/goodput-host-cost.md). Where drafter and target share a thread (the in-process
   engine) each step's wall time less its verify and priced drafter forwards is measured (`observe_host`), and
   what drafting steps take beyond steps that draft nothing is charged to every plan that drafts
-  (`host_seconds`), a fixed cost per step.
+  (`host_seconds`), a fixed cost per step. Through Ray the same is measured on steps that ran alone (no
+  other pipeline group's step in flight) and charged to plans made alone: there it is the drafter call's
+  round trip, which a step that drafts nothing no longer waits for, and which a second group's verify hides.
 
 Optimisation is greedy: start from γ = 0 everywhere and repeatedly apply the move with the best goodput,
 among "one more draft token for request i", "one more tree candidate for request i" and "lift every
@@ -438,9 +440,12 @@ class GoodputController:
         if lifted != depths:
             yield None, lifted, widths
 
-    def plan(self, slots: Sequence[Slot]) -> Plan:
-        """The greedy plan: deterministic (ties go to the earliest, cheapest move)."""
+    def plan(self, slots: Sequence[Slot], host_work: bool = True) -> Plan:
+        """The greedy plan: deterministic (ties go to the earliest, cheapest move). host_work False: the
+        fixed host work of a drafting step is not charged (it overlaps another step's forward)."""
         costs = self.costs.at(len(slots)) if slots else None
+        if costs is not None and not host_work:
+            costs.host = 0.0
         base = self.evaluate(slots, [min(s.min_depth, s.max_depth) for s in slots], [1] * len(slots), costs)
         climbed = self._climb(slots, base.depths, base.widths, False, costs)
         if (climbed.depths, climbed.widths) == (base.depths, base.widths):

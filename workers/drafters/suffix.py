@@ -385,10 +385,11 @@ class SuffixDrafter(Drafter):
         return hints
 
     def use_fallback(self, request_ids: list[str]) -> None:
-        """The plan chose the lookup draft over the model's. Through Ray the plan was made from the previous
-        step's hints, and this step's (draft_hints, just before) may disagree: where the index now drafts
-        anyway its draft stays; where it has no lookup draft now, nothing is drafted (the plan priced no
-        model forward for the request)."""
+        """The plan priced a lookup draft for these requests (from the hint, or the fallback hint where the
+        model was preferred). Through Ray the plan was made from the previous step's hints, and this step's
+        (draft_hints, just before) may disagree: where the index drafts now its draft stays (the fallback
+        lookup where the model is now preferred); where it has no lookup draft now, nothing is drafted (the
+        plan priced no model forward for the request)."""
         for rid in request_ids:
             req = self.requests[rid]
             if req.fallback is not None:

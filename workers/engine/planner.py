@@ -94,6 +94,7 @@ class StepRecord:
     host_seconds: float                 # the step's wall time less its verify
     started: float                      # time.perf_counter() at the step's start and end (the guard)
     finished: float
+    alone: bool = True                  # no other step of this planner was in flight while it ran
 
     @property
     def emitted(self) -> int:
@@ -143,6 +144,10 @@ class SpeculationPlanner:
         self.positions = self._fresh_positions()
         self.last_plan = None              # the latest goodput plan (None: nobody on it)
         self.goodput_ema = {"predicted": 0.0, "measured": 0.0}
+        # steps in flight (the pipeline groups of a router replica share this planner): id -> whether
+        # another step ran beside it at any moment
+        self._in_flight: dict[int, bool] = {}
+        self._next_step = 0
 
     # ---- start-up and the cost model ------------------------------------------------------------------
     def cost_profile_request(self) -> dict | None:
@@ -195,6 +200,25 @@ class SpeculationPlanner:
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.requests.pop(rid, None)
+
+    # ---- steps in flight -------------------------------------------------------------------------------
+    def step_began(self) -> int:
+        """A step of this planner starts (SpecStep.step); returns its id for step_ended."""
+        sid, self._next_step = self._next_step, self._next_step + 1
+        for other in self._in_flight:
+            self._in_flight[other] = True
+        self._in_flight[sid] = bool(self._in_flight)
+        return sid
+
+    def step_ended(self, sid: int) -> bool:
+        """The step is over (or failed): whether it ran alone, no other step in flight beside it."""
+        return not self._in_flight.pop(sid, True)
+
+    def _charges_host(self) -> bool:
+        """Whether this plan pays the fixed host work of drafting. In-process, always (the drafter shares
+        the target's thread). Through Ray, only a step that runs alone: beside another group's step the
+        drafter call overlaps that step's verify and the target waits for nothing."""
+        return self.colocated or len(self._in_flight) <= 1
 
     # ---- plan -----------------------------------------------------------------------------------------
     def plan(self, drafting: list[Sequence]) -> StepPlan:
@@ -291,9 +315,13 @@ class SpeculationPlanner:
                 slot = r.policy.slot(r.state, remaining, cap=item.gamma)
                 hint = r.hint if r.request.spec.tree_width == 1 else None
                 if hint is not None and not hint.fallback:
-                    # the drafter said what its draft is worth: plan it from its own acceptance and cost
+                    # the drafter said what its draft is worth: plan it from its own acceptance and cost.
+                    # The plan prices a lookup draft, so the drafter drafts a lookup or nothing (fallback):
+                    # through Ray the hint is a step old, and where this step's lookup has gone, the model
+                    # drafted the planned depth in its place, unpriced (on held-out chat 7-8 tokens at α
+                    # 0.05, 11 ms of a 27 ms step)
                     slot = hinted_slot(slot, hint)
-                    r.hinted = True
+                    r.hinted = item.fallback = True
                 else:
                     if hint is not None:
                         fallbacks[i] = hinted_slot(slot, hint)
@@ -304,13 +332,14 @@ class SpeculationPlanner:
                 cap = max(0, min(item.gamma, remaining - 1))
                 slots.append(Slot(Acceptance([r.state.ema_acceptance], cap), cap, min_depth=cap))
                 states.append(None)
-        plan = self.controller.plan(slots)
+        host_work = self._charges_host()
+        plan = self.controller.plan(slots, host_work)
         # Where the plan drafts nothing for a request the drafter would rather have had its model draft
         # for, its lookup draft may still pay: plan those with it, and keep what plans better.
         idle = [i for i in fallbacks if plan.depths[i] == 0]
         if idle:
             alternative = [fallbacks[i] if i in idle else slot for i, slot in enumerate(slots)]
-            other = self.controller.plan(alternative)
+            other = self.controller.plan(alternative, host_work)
             if other.goodput > plan.goodput:
                 plan = other
                 for i in idle:
@@ -360,12 +389,12 @@ class SpeculationPlanner:
             # profile runs at short contexts and prices a step at real ones low; observed by only the few
             # steps that asked, that made drafting look relatively cheaper (docs/decisions/goodput-pricing.md)
             self.costs.observe_verify([1] * record.batch, record.verify_seconds)
-        # Only steps with a speculating request teach the plan what host work drafting adds, and only where
-        # the drafter shares the target's thread (an actor of its own works while the target verifies): a
-        # step of target-only requests alone (the engine bench's step-paired twin batch, or traffic with
-        # speculation off) has no drafter work at all, and counted as a plain step it made drafting look
-        # dearer (docs/decisions/bench-method.md).
-        if self.colocated and record.eligible:
+        # Only steps with a speculating request teach the plan what host work drafting adds: a step of
+        # target-only requests alone (the engine bench's step-paired twin batch, or traffic with speculation
+        # off) has no drafter work at all, and counted as a plain step it made drafting look dearer
+        # (docs/decisions/bench-method.md). Through Ray only a step that ran alone does: beside another
+        # group's step its time includes waiting for that step's forward.
+        if record.eligible and (self.colocated or record.alone):
             self.costs.observe_host(record.batch, max(record.host_seconds - priced, 0.0), drafted)
         if self.guard is not None and record.eligible:
             self.guard.step(record.started, record.finished, record.emitted, record.batch, record.allowed)

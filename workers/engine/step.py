@@ -203,6 +203,18 @@ class SpecStep:
         live = [s for s in seqs if not s.finished]
         if not live:
             return []
+        sid = self.planner.step_began()
+        try:
+            outcomes, record = await self._step(live)
+        finally:
+            alone = self.planner.step_ended(sid)
+        record.alone = alone
+        self.planner.observe(record)
+        if self.trace is not None:
+            self.trace.write(record, sum(len(o.new_tokens) for o in outcomes))
+        return outcomes
+
+    async def _step(self, live: list[Sequence]) -> tuple[list[StepOutcome], StepRecord]:
         t0 = time.perf_counter()
         ids = [s.request_id for s in live]
         drafting = [s for s in live if self._speculates(s)]
@@ -250,10 +262,7 @@ class SpecStep:
             drafts=proposed, results=results, rows=[1 + len(d.tokens) for d in drafts],
             verify_seconds=results[0].verify_seconds, propose_seconds=propose_seconds,
             host_seconds=t1 - t0 - results[0].verify_seconds, started=t0, finished=t1)
-        self.planner.observe(record)
-        if self.trace is not None:
-            self.trace.write(record, sum(len(o.new_tokens) for o in outcomes))
-        return outcomes
+        return outcomes, record
 
     async def _hints_beside(self, call: asyncio.Future, items) -> list[Draft]:
         """The drafts of a propose that ran beside the verify (a plan of γ 0 for every item): empty, so the

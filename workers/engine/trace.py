@@ -36,6 +36,7 @@ class StepTrace:
             "eligible": record.eligible, "drafted": [len(d.tokens) for d in record.drafts],
             "emitted": emitted, "propose_s": round(record.propose_seconds, 6),
             "verify_s": round(record.verify_seconds, 6), "step_s": round(record.finished - record.started, 6),
+            "alone": record.alone,
         }
         # one write of one line in append mode: lines of several processes tracing to one file stay whole
         with self.path.open("a") as f:

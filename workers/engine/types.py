@@ -115,7 +115,7 @@ class DraftItem(_NumpyTensors):
     stop: GammaPolicy | None = None
     stop_state: GammaState | None = None
     hint_cap: int = 0                           # > 0: report the drafter's DraftHint at this cap (goodput)
-    fallback: bool = False                      # draft the lookup draft of the latest fallback hint
+    fallback: bool = False                      # planned as a lookup draft: a lookup or nothing, no model
 
 
 @dataclass

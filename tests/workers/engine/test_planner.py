@@ -84,10 +84,14 @@ def test_goodput_plans_from_the_hint_the_drafter_returned_with_its_last_draft() 
     seqs = _seqs(planner, 1, SpecParams(gamma=4, policy="goodput"))
     item = planner.plan(seqs).items[0]
     assert item.hint_cap == 4 and not planner.requests["r0"].hinted      # no hint yet: planned from ρ
+    assert not item.fallback                                             # the model may draft it
     sure = DraftHint([0.99, 0.99, 0.99, 0.99], free=True)
     _step(planner, seqs, [Draft("r0", [7] * item.gamma, hint=sure)], accepted=item.gamma)
     item = planner.plan(seqs).items[0]
     assert planner.requests["r0"].hinted and item.gamma == 4              # a free, sure draft: all of it
+    # planned as a lookup draft: the drafter drafts this step's lookup or nothing, never the model in its
+    # place (through Ray the hint is a step old)
+    assert item.fallback
     _step(planner, seqs, [Draft("r0", [7] * 4, hint=DraftHint([0.01], free=True))], accepted=0)
     assert planner.requests["r0"].last_hinted and planner.requests["r0"].hint.alpha == [0.01]
     positions = list(planner.positions[True].drafted)
@@ -178,3 +182,65 @@ def test_a_colocated_catch_up_is_spread_over_the_steps_it_serves() -> None:
     assert _catch_up_plan(colocated=False, pending=120, max_new=64) > 0
     # with too few tokens left for the catch-up to pay back, still none
     assert _catch_up_plan(colocated=True, pending=120, max_new=4) == 0
+
+
+def test_steps_in_flight_together_are_not_alone() -> None:
+    planner = SpeculationPlanner(SpecConfig(policy="goodput"))
+    a = planner.step_began()
+    assert planner.step_ended(a) is True                   # nothing beside it
+    a = planner.step_began()
+    b = planner.step_began()                               # a second pipeline group's step
+    assert planner.step_ended(a) is False
+    c = planner.step_began()                               # b still runs
+    assert planner.step_ended(b) is False and planner.step_ended(c) is False
+    assert planner.step_ended(planner.step_began()) is True
+
+
+def _ray_planner_after(host_drafting: float) -> tuple[SpeculationPlanner, list[Sequence]]:
+    """A planner whose drafter is an actor of its own, on this CPU's costs (a 25 ms step, 2 ms a drafted
+    level), after two lone drafting steps whose host work was `host_drafting` and two that drafted nothing
+    with none."""
+    planner = SpeculationPlanner(SpecConfig(policy="goodput", gamma_max=4), held_out_acceptance=0.2)
+    planner.set_cost_profile({1: [0.025, 0.0264, 0.0278, 0.0292, 0.0306]}, {1: 0.002})
+    seqs = _seqs(planner, 1, SpecParams(gamma=4, policy="goodput"), max_new=64)
+    for drafted, host in ((True, host_drafting), (False, 0.0), (True, host_drafting), (False, 0.0)):
+        draft = Draft("r0", [7] if drafted else [])
+        result = VerifyResult("r0", len(draft.tokens), 0, [9], not draft.tokens, verify_seconds=0.025)
+        seqs[0].apply(result)
+        planner.observe(StepRecord(
+            batch=1, eligible=True, allowed=True, skipped=False, drafts=[draft], results=[result],
+            rows=[1 + len(draft.tokens)], verify_seconds=0.025, propose_seconds=host, host_seconds=host,
+            started=0.0, finished=0.025 + host))
+    planner.requests["r0"].state.acceptance.alpha = [0.2] * 4     # this request's model drafts: α 0.2
+    return planner, seqs
+
+
+def test_through_ray_a_lone_step_pays_the_drafter_call_and_a_pipelined_one_does_not() -> None:
+    # Without host work a model draft at α 0.2 pays on these costs (2 ms + 1.4 ms for 0.2 tokens of 25 ms).
+    planner, seqs = _ray_planner_after(host_drafting=0.0)
+    assert planner.plan(seqs).items[0].gamma > 0
+    # The drafter call's round trip (2.5 ms a drafting step more, measured on steps that ran alone) makes it
+    # a loss for a step that runs alone...
+    planner, seqs = _ray_planner_after(host_drafting=0.0025)
+    assert planner.costs.host_seconds(1) == pytest.approx(0.0025, rel=0.01)
+    sid = planner.step_began()
+    assert planner.plan(seqs).items[0].gamma == 0
+    # ...and not for one planned while another group's step is in flight: its verify hides the call.
+    other = planner.step_began()
+    assert planner.plan(seqs).items[0].gamma > 0
+    planner.step_ended(other)
+    planner.step_ended(sid)
+
+
+def test_through_ray_a_step_beside_another_does_not_teach_the_host_figure() -> None:
+    planner, _ = _ray_planner_after(host_drafting=0.0025)
+    learned = planner.costs.host_seconds(1)
+    draft = Draft("r0", [7])
+    result = VerifyResult("r0", 1, 0, [9], False, verify_seconds=0.025)
+    planner.requests["r0"].generated += 1
+    for _ in range(3):
+        planner.observe(StepRecord(
+            batch=1, eligible=True, allowed=True, skipped=False, drafts=[draft], results=[result], rows=[2],
+            verify_seconds=0.025, propose_seconds=0.03, host_seconds=0.03, started=0.0, finished=0.055,
+            alone=False))
+    assert planner.costs.host_seconds(1) == learned
