@@ -119,6 +119,10 @@ def test_gate_rejects_a_worse_candidate_and_publishes_a_better_one(tmp_path, tin
     assert meta["gate"]["candidate"]["expected_acceptance"] > meta["gate"]["serving"]["expected_acceptance"]
     # the version's acceptance prior for serving is its gate score on held-out replayed traffic
     assert meta["held_out_acceptance"] == meta["gate"]["candidate"]["greedy_match"]
+    # and the version it replaced, scored on the same records: the planner's ratio (served / held out)
+    from specd.workers.drafters.versions import parent_held_out_acceptance
+
+    assert parent_held_out_acceptance(meta) == meta["gate"]["serving"]["greedy_match"]
     files = trainer.store.root / "versions" / version
     from safetensors import safe_open
 

@@ -109,6 +109,9 @@ class Drafter(ABC):
     # What this drafter's first drafts were measured to get accepted on held-out prompts when it was
     # trained (None: unknown); the goodput policy's estimates start there (DraftWorker).
     held_out_acceptance: float | None = None
+    # the version it replaced, scored by the same gate on the same records
+    # (versions.parent_held_out_acceptance)
+    held_out_parent: float | None = None
     uses_target_hidden: bool = False   # True: add_request and commit need the target's hidden states
 
     @classmethod

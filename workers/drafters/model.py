@@ -41,7 +41,7 @@ from specd.workers.core.sampling import (
 from specd.workers.drafters.base import Drafter, DraftProposal, check_batch
 from specd.workers.drafters.model_tree import TreeDrafting, _is_keyed
 from specd.workers.drafters.registry import register_drafter
-from specd.workers.drafters.versions import META_FILE, held_out_acceptance
+from specd.workers.drafters.versions import META_FILE, held_out_acceptance, parent_held_out_acceptance
 from specd.workers.models.device_settings import resolve_decode, resolve_dtype
 from specd.workers.models.loader import default_cache_dir
 from specd.workers.models.runner import ModelRunner
@@ -401,4 +401,5 @@ class ModelDrafter(TreeDrafting, Drafter):
         self.runner.load_weights(tensors)
         self.version = version
         self.held_out_acceptance = held_out_acceptance(meta or {})
+        self.held_out_parent = parent_held_out_acceptance(meta or {})
         return version

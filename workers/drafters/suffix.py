@@ -165,6 +165,10 @@ class SuffixDrafter(Drafter):
         return self.model.held_out_acceptance if self.model is not None else None
 
     @property
+    def held_out_parent(self) -> float | None:
+        return self.model.held_out_parent if self.model is not None else None
+
+    @property
     def model_prior(self) -> float:
         """A new request's model_alpha: as given, else the model's held-out acceptance (the weights
         serving now: an online version has none), else MODEL_PRIOR."""

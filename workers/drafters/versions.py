@@ -136,6 +136,14 @@ def read_meta(vdir: str | Path) -> dict:
         raise VersionError(f"{vdir}: unreadable {META_FILE}: {exc}") from exc
 
 
+def parent_held_out_acceptance(meta: dict) -> float | None:
+    """The greedy match of the version this one replaced, scored by the same gate on the same held-out
+    records (an online version's `gate.serving`); None for a version no gate judged. Beside the version's
+    own figure it says how much better the gate found it, on a like basis."""
+    match = meta.get("gate", {}).get("serving", {}).get("greedy_match")
+    return float(match) if isinstance(match, int | float) and 0.0 < match <= 1.0 else None
+
+
 def held_out_acceptance(meta: dict) -> float | None:
     """The share of target tokens the drafter's greedy choice matched on data it was not trained on, about
     what its first drafts get accepted: the version's own `held_out_acceptance` (an online version: its

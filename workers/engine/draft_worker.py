@@ -199,6 +199,7 @@ class DraftWorker:
                 d.ema_entropy = item.stop_state.ema_entropy
             if swapped:
                 d.version_changed, d.held_out_acceptance = True, self.drafter.held_out_acceptance
+                d.held_out_parent = self.drafter.held_out_parent
         self._busy += t2 - t0
         return [drafts[item.request_id] for item in items]
 

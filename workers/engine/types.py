@@ -138,6 +138,7 @@ class Draft(_NumpyTensors):
     # acceptance afresh from its held-out figure (None: unknown)
     version_changed: bool = False
     held_out_acceptance: float | None = None
+    held_out_parent: float | None = None        # the version it replaced, on the gate's same records
 
 
 @dataclass

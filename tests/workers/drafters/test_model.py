@@ -95,6 +95,16 @@ def test_a_versions_own_held_out_acceptance_wins_over_its_bootstrap_record():
     assert held_out_acceptance({"held_out_acceptance": 1.5}) is None            # not a probability
 
 
+def test_a_gated_versions_record_names_its_parents_score_on_the_same_records():
+    from specd.workers.drafters.versions import parent_held_out_acceptance
+
+    gated = {"held_out_acceptance": 0.258, "gate": {"candidate": {"greedy_match": 0.258},
+                                                   "serving": {"greedy_match": 0.1886}}}
+    assert parent_held_out_acceptance(gated) == 0.1886
+    assert parent_held_out_acceptance({"train": {"eval_after": {"greedy_match": 0.1}}}) is None
+    assert parent_held_out_acceptance({"gate": {"serving": {"greedy_match": 0.0}}}) is None   # no ratio by 0
+
+
 def _fresh_states(gen, reads_hidden: bool):
     """states(n): the keyword arguments that hand a hidden-state drafter n fresh target states [n, 64]
     (add_request, commit); nothing for a token drafter."""

@@ -81,11 +81,13 @@ def test_good_version_applied_between_steps_bad_ones_rejected(tmp_path, tiny_lla
 
     # A version whose record carries its held-out acceptance (the trainer's gate score) is expected to
     # draft at that rate: the flat prior had a weak swapped-in version draft far more than it earned.
-    scored = _publish(store, token_dir, tiny_llama_dir, held_out_acceptance=0.17)
+    scored = _publish(store, token_dir, tiny_llama_dir, held_out_acceptance=0.17,
+                      gate={"candidate": {"greedy_match": 0.17}, "serving": {"greedy_match": 0.12}})
     assert swapper.check() == scored
     _one_step(worker, planner, "scored")
     assert worker.swap_stats()["version"] == scored
-    assert worker.drafter.held_out_acceptance == 0.17
+    # (and the gate's score of the version it replaced, on the same records: the planner's served ratio)
+    assert worker.drafter.held_out_acceptance == 0.17 and worker.drafter.held_out_parent == 0.12
     assert planner.positions[True].alpha()[0] == pytest.approx(0.17)
     good = scored
 

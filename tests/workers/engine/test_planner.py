@@ -14,7 +14,13 @@ from specd.workers.core.goodput import CostProfile
 from specd.workers.core.guard import SpeculationGuard
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.drafters.base import DraftHint
-from specd.workers.engine.planner import PAUSE_MIN_BATCH, PAUSE_STEPS, SpeculationPlanner, StepRecord
+from specd.workers.engine.planner import (
+    PAUSE_MIN_BATCH,
+    PAUSE_STEPS,
+    RATIO_MIN_DRAFTS,
+    SpeculationPlanner,
+    StepRecord,
+)
 from specd.workers.engine.sequence import Sequence
 from specd.workers.engine.types import Draft, NewRequest, SpecParams, VerifyResult
 
@@ -244,3 +250,39 @@ def test_through_ray_a_step_beside_another_does_not_teach_the_host_figure() -> N
             verify_seconds=0.025, propose_seconds=0.03, host_seconds=0.03, started=0.0, finished=0.055,
             alone=False))
     assert planner.costs.host_seconds(1) == learned
+
+
+def test_a_new_version_starts_from_its_figure_scaled_by_what_traffic_made_of_the_last_ones() -> None:
+    """The gate's held-out figure is a greedy match over every position; served, the model drafts where no
+    lookup pays. What the outgoing version got over its own figure scales the next one's prior."""
+    planner = SpeculationPlanner(SpecConfig(policy="fixed"), held_out_acceptance=0.25)
+    seqs = _seqs(planner, 1, SpecParams(gamma=3))
+
+    def swap(figure: float) -> None:
+        planner.plan(seqs)
+        _step(planner, seqs, [Draft("r0", [7], version_changed=True, held_out_acceptance=figure)])
+
+    for k in range(RATIO_MIN_DRAFTS - 1):               # too few drafts to say: the figure is taken as is
+        planner.positions[True].observe(1, int(k % 8 == 0))
+    swap(0.26)
+    assert planner.positions[True].alpha()[0] == pytest.approx(0.26)
+    for k in range(40):                                  # 10 of 40 first drafts accepted against 0.26
+        planner.positions[True].observe(1, int(k % 4 == 0))
+    swap(0.30)                                           # (and the swap step's own draft, rejected: 10 of 41)
+    assert planner.positions[True].alpha()[0] == pytest.approx(0.30 * (10 / 41) / 0.26)
+    assert planner.positions[False].alpha()[0] == pytest.approx(0.30)   # sampled requests drafted none
+    swap(0.32)                                           # the last version drafted nothing: the ratio stays
+    assert planner.positions[True].alpha()[0] == pytest.approx(0.32 * (10 / 41) / 0.26)
+
+
+def test_the_outgoing_versions_figure_is_the_gates_score_of_it_beside_the_new_one() -> None:
+    """The first-start drafter's figure comes from its bootstrap's evaluation (0.10 on chat prompts); the
+    gate scored it 0.19 on the held-out records it scored its successor 0.26 on: the ratio uses the latter."""
+    planner = SpeculationPlanner(SpecConfig(policy="fixed"), held_out_acceptance=0.10)
+    seqs = _seqs(planner, 1, SpecParams(gamma=3))
+    for k in range(40):                                  # served: 10 of 40
+        planner.positions[True].observe(1, int(k % 4 == 0))
+    planner.plan(seqs)
+    _step(planner, seqs, [Draft("r0", [7], version_changed=True, held_out_acceptance=0.26,
+                                held_out_parent=0.19)])
+    assert planner.positions[True].alpha()[0] == pytest.approx(0.26 * (10 / 40) / 0.19)
