@@ -73,10 +73,12 @@ def read_drafter_version(path: str | Path) -> str:
     return Path(path).name
 
 
-def read_held_out_acceptance(path: str | Path) -> float | None:
-    """held_out_acceptance(meta) of a drafter directory's specd_drafter.json; None without one."""
+def read_held_out_figures(path: str | Path) -> tuple[float | None, float | None]:
+    """(held_out_acceptance, parent_held_out_acceptance) of a drafter directory's specd_drafter.json; Nones
+    without one."""
     meta = Path(path) / META_FILE
-    return held_out_acceptance(json.loads(meta.read_text())) if meta.exists() else None
+    record = json.loads(meta.read_text()) if meta.exists() else {}
+    return held_out_acceptance(record), parent_held_out_acceptance(record)
 
 
 # Feeds of at most this many tokens catch up together in one forward; longer ones (prompts, long stretches
@@ -134,7 +136,7 @@ class ModelDrafter(TreeDrafting, Drafter):
         self.full_vocab_size = self.runner.model.cfg.vocab_size
         self.vocab_ids = self.runner.vocab_ids          # [V_sub] target ids, or None for a full head
         self.version = read_drafter_version(self.path)
-        self.held_out_acceptance = read_held_out_acceptance(self.path)
+        self.held_out_acceptance, self.held_out_parent = read_held_out_figures(self.path)
         self.uses_target_hidden = self.runner.model.feature_proj is not None
         self.hidden_size = self.runner.model.cfg.hidden_size
         # Greedy chains on the static path as one run per step (_chain_in_one_run); tests turn it off to
@@ -392,7 +394,7 @@ class ModelDrafter(TreeDrafting, Drafter):
         self.runner.load_weights(Path(path))
         self.path = Path(path)
         self.version = read_drafter_version(path)
-        self.held_out_acceptance = read_held_out_acceptance(path)
+        self.held_out_acceptance, self.held_out_parent = read_held_out_figures(path)
         return self.version
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], version: str, meta: dict | None = None) -> str:
