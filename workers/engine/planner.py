@@ -201,9 +201,8 @@ class SpeculationPlanner:
         version's figure as the gate scored it beside the incoming one, on the same records (else its own
         recorded figure; the first-start drafter's comes from its bootstrap's evaluation, another basis).
         The gate's figure is a greedy match over every position of held-out records; served, the model
-        drafts where no lookup pays, harder positions, and the ratio carries over from version to version.
-        Taken raw, a new version's figure seeded its counts at about twice what it got: on held-out chat
-        gate figures of 0.24-0.26 against 0.10-0.15 accepted, and each swap set the model drafting again."""
+        drafts where no lookup pays, harder positions, and the ratio carries over from version to version
+        (docs/decisions/version-acceptance-prior.md)."""
         recorded = parent if parent is not None else self.held_out_acceptance
         if recorded is None or recorded <= 0:
             return
@@ -342,9 +341,8 @@ class SpeculationPlanner:
                 if hint is not None and not hint.fallback:
                     # the drafter said what its draft is worth: plan it from its own acceptance and cost.
                     # The plan prices a lookup draft, so the drafter drafts a lookup or nothing (fallback):
-                    # through Ray the hint is a step old, and where this step's lookup has gone, the model
-                    # drafted the planned depth in its place, unpriced (on held-out chat 7-8 tokens at α
-                    # 0.05, 11 ms of a 27 ms step)
+                    # through Ray the hint is a step old, and a model draft in place of a lookup that has
+                    # gone would be unpriced (docs/benchmarks.md, held-out chat)
                     slot = hinted_slot(slot, hint)
                     r.hinted = item.fallback = True
                 else:

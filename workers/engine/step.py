@@ -232,8 +232,7 @@ class SpecStep:
                 if self.drafter.mode != "direct" and not any(item.gamma for item in plan.items):
                     # Nothing to draft: the call only commits the last outcome and looks up the hints
                     # the next plan reads, which this verify does not need. It runs beside the verify
-                    # (the drafter's own process), not before it: at batch 1 on the 2-core CPU that wait
-                    # was 2.2 ms of a 27 ms step, and most steps on open chat plan nothing.
+                    # (the drafter's own process), not before it (docs/decisions/propose-beside-verify.md).
                     beside = asyncio.ensure_future(self.drafter.propose(plan.items))
                 else:
                     proposed = await self.drafter.propose(plan.items)
