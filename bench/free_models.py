@@ -8,8 +8,12 @@ verification, KV rollback, Sequence.apply, streaming.
 
 The fixed logits of the target and of the drafter peak at the same token (TOKEN), so greedy drafts are
 always accepted: a speculative step does the most bookkeeping it can (every draft accepted, a bonus
-token, the longest commits). The workers are subclasses so that Ray can build them as actors
-(cluster/actors.create_cluster takes the classes).
+token, the longest commits). With `UnpredictableTargetWorker` the target's peak moves to a new token at
+every forward instead (a sequence that does not repeat within a run), so no draft is accepted and no
+suffix lookup matches: the regime of traffic nobody trained for, where the planner learns to draft
+nothing and a speculative step's cost over a plain one is what speculating costs when it buys nothing.
+The workers are subclasses so that Ray can build them as actors (cluster/actors.create_cluster takes the
+classes).
 """
 
 from __future__ import annotations
@@ -93,9 +97,15 @@ class FreeForward:
     never writes into logits; a caller that did would change what later calls return, which the
     bench's tokens per step would show (every draft is accepted only while the logits peak at TOKEN)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, moving: bool = False) -> None:
+        """moving: the peak moves to a new token at every call (UnpredictableTargetWorker; a model with
+        the full vocabulary as its head, as a target has)."""
+        if moving and model.draft_vocab_ids is not None:
+            raise ValueError("a moving peak needs a model whose head is the full vocabulary")
         self.model = model
         self.calls = 0
+        self.moving = moving
+        self._peak = TOKEN
         self._rows: dict[bool, torch.Tensor] = {}
         self._logits: dict[bool, torch.Tensor] = {}     # [rows, positions, width] copies of _row
         dtype, device = model.embed_tokens.dtype, model.embed_tokens.device
@@ -113,14 +123,26 @@ class FreeForward:
                 row[model.draft_vocab_ids if full_vocab else slice(None)] = -10.0
                 column = TOKEN if full_vocab else int((model.draft_vocab_ids == TOKEN).nonzero()[0, 0])
             else:
-                column = TOKEN
+                column = self._peak     # TOKEN, or a moving peak's current token
             row[column] = 10.0
             self._rows[full_vocab] = row
         return row
 
+    def advance(self) -> None:
+        """Count a forward; a moving peak goes to this call's token in every cached row and buffer (two
+        writes per row: the old peak's column down, the new one's up)."""
+        self.calls += 1
+        if not self.moving:
+            return
+        peak = moving_token(self.calls)
+        for cached in (*self._rows.values(), *self._logits.values()):
+            cached[..., self._peak] = -10.0
+            cached[..., peak] = 10.0
+        self._peak = peak
+
     def __call__(self, input_ids, positions, slots, cache, attn_mask=None, logit_index=None, full_vocab=True,
                  features=None, staleness=None, return_hidden=False, counts=None):
-        self.calls += 1
+        self.advance()
         b, n = input_ids.shape
         m = n if logit_index is None else logit_index.shape[1]
         logits = self._logits.get(full_vocab)
@@ -135,21 +157,27 @@ class FreeForward:
         return logits
 
 
-def free_runner(runner) -> FreeForward:
+def moving_token(call: int) -> int:
+    """The moving peak of the call'th forward: steps through 40,000 tokens of the vocabulary in an order
+    that repeats no token within 40,000 calls (7919 is prime to 40,000), never EOS or TOKEN."""
+    return 6 + (call * 7919) % 40000
+
+
+def free_runner(runner, moving: bool = False) -> FreeForward:
     """Replace a ModelRunner's forward by a FreeForward. With decode=static (the GPU path's logic, run
     eagerly) the static decoder's padded forward answers at once too, so its bucketing, input staging and
     output copies are what is measured."""
     if runner.static is not None and runner.static.capture:
         raise ValueError("free forwards cannot be captured as CUDA graphs: run with decode=eager or static")
-    forward = runner._forward = FreeForward(runner.model)
+    forward = runner._forward = FreeForward(runner.model, moving=moving)
     if runner.static is not None:
         def run(bufs, kv_len, full_vocab, return_hidden, leading):   # [bb, nb, vocab] (and [bb, nb, hidden])
-            forward.calls += 1
+            forward.advance()
             bb, nb = bufs["ids"].shape
             logits = forward._row(full_vocab).expand(bb, nb, -1)
             return (logits, forward._hidden.expand(bb, nb, -1)) if return_hidden else (logits,)
         def run_chain(bufs, kv_len, steps, leading):   # [bb, steps] target ids: the stand-ins' pick
-            forward.calls += 1
+            forward.advance()
             bb = bufs["ids"].shape[0]
             return (torch.full((bb, steps), TOKEN, dtype=torch.long, device=bufs["ids"].device),)
         runner.static._run = run
@@ -158,9 +186,17 @@ def free_runner(runner) -> FreeForward:
 
 
 class FreeTargetWorker(TargetWorker):
+    moving = False
+
     def __init__(self, cfg, seed: int = 0, cache_dir: str | None = None):
         super().__init__(cfg, seed=seed, cache_dir=cache_dir)
-        free_runner(self.runner)
+        free_runner(self.runner, moving=self.moving)
+
+
+class UnpredictableTargetWorker(FreeTargetWorker):
+    """Free forwards whose peak moves at every call: no draft and no lookup is ever accepted."""
+
+    moving = True
 
 
 class FreeDraftWorker(DraftWorker):

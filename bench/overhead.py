@@ -15,7 +15,9 @@ milliseconds (in-process: the process's CPU time, robust to a loaded machine, wi
 it; through the router: wall time, the round trips included) and its phases (propose: the drafter's
 call with the plan; verify: the target's call; rest: the step's own work, Sequence.apply and
 streaming). The stand-ins accept every greedy draft, so
-a speculative step does the most bookkeeping it can.
+a speculative step does the most bookkeeping it can; with `--drafts rejected` the target's stand-in
+accepts none and matches no lookup (held-out traffic: the planner learns to draft nothing), so a
+speculative step's time over target-only's is what speculating costs where it buys nothing.
 
     specd bench overhead --json bench/results/overhead.json --plot bench/results/overhead.png
     specd bench overhead --where in-process --batch-sizes 1 --profile out/prof   # cProfile per cell
@@ -237,14 +239,20 @@ def top_kernels(kernels, steps: int, top: int = GPU_TOP_KERNELS) -> list[dict[st
              "us_per_step": round(us / steps, 2)} for name, (n, us) in ranked]
 
 
-def build_in_process(cfg, free: bool) -> tuple[Any, dict]:
+def free_classes(drafts: str) -> tuple[type, type]:
+    """(target, drafter) worker classes of the free cells: `drafts` accepted or rejected."""
+    from specd.bench.free_models import FreeDraftWorker, FreeTargetWorker, UnpredictableTargetWorker
+
+    return (FreeTargetWorker if drafts == "accepted" else UnpredictableTargetWorker), FreeDraftWorker
+
+
+def build_in_process(cfg, free: bool, drafts: str = "accepted") -> tuple[Any, dict]:
     """One target worker and one drafter worker per drafter kind the systems use."""
-    from specd.bench.free_models import FreeDraftWorker, FreeTargetWorker
     from specd.workers.engine.build import worker_seeds
     from specd.workers.engine.draft_worker import DraftWorker
     from specd.workers.engine.target_worker import TargetWorker
 
-    target_cls, drafter_cls = (FreeTargetWorker, FreeDraftWorker) if free else (TargetWorker, DraftWorker)
+    target_cls, drafter_cls = free_classes(drafts) if free else (TargetWorker, DraftWorker)
     target_seed, drafter_seed = worker_seeds(cfg.seed)
     target = target_cls(cfg.target, seed=target_seed, cache_dir=cfg.cache_dir)
     drafters = {}
@@ -276,21 +284,22 @@ def run_cells(args: argparse.Namespace, free: bool, target_dir: Path, drafter_di
 
         ensure_serving_drafter(cfg, str(target_dir))
     forwards = "free" if free else "real"
+    drafts = args.drafts if free else "real"
     if "in-process" in args.where:
-        target, drafters = build_in_process(cfg, free)
+        target, drafters = build_in_process(cfg, free, args.drafts)
         for system in args.systems:
             for batch in args.batch_sizes:
                 row = run_in_process(system, batch, target, drafters, cfg, steps, args.warmup,
                                      args.profile, len(rows), forwards)
-                rows.append({**row, "forwards": forwards, "load_average": load_average()})
+                rows.append({**row, "forwards": forwards, "drafts": drafts, "load_average": load_average()})
                 print(_line(rows[-1]), flush=True)
         del target, drafters
     if "router" in args.where:
         from specd.bench.overhead_router import run_router_cells
 
         for row in run_router_cells(cfg, args.systems, args.batch_sizes, steps, args.warmup, free,
-                                    args.pipeline_groups):
-            rows.append({**row, "forwards": forwards, "load_average": load_average()})
+                                    args.pipeline_groups, args.drafts):
+            rows.append({**row, "forwards": forwards, "drafts": drafts, "load_average": load_average()})
             print(_line(rows[-1]), flush=True)
 
 
@@ -349,7 +358,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown --where {name!r}; known: {', '.join(WHERE)}")
     meta: dict[str, Any] = {
         "bench": "overhead", "steps": args.steps, "warmup": args.warmup, "prompt_tokens": PROMPT_LEN,
-        "pipeline_groups": args.pipeline_groups, "overrides": list(args.overrides),
+        "pipeline_groups": args.pipeline_groups, "overrides": list(args.overrides), "drafts": args.drafts,
         "machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average_start": load_average(),
         "note": "medians over steps; forwards free (stand-ins answer at once) unless forwards=real",
@@ -390,6 +399,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per cell before timing")
     parser.add_argument("--pipeline-groups", type=int, default=1,
                         help="router: groups per replica (1: a step is the whole batch, as in-process)")
+    parser.add_argument("--drafts", choices=("accepted", "rejected"), default="accepted",
+                        help="free cells: the target's stand-in accepts every greedy draft, or none "
+                             "(no lookup matches either: the planner learns to draft nothing)")
     parser.add_argument("--real", action="store_true", help="also run every cell on the real model")
     parser.add_argument("--real-steps", type=int, default=16, help="timed steps per cell with --real")
     parser.add_argument("--profile", type=Path, default=None,

@@ -125,14 +125,14 @@ async def _busy(rep) -> tuple[float, float]:
 
 
 def run_router_cells(cfg, systems: list[str], batch_sizes: list[int], steps: int, warmup: int, free: bool,
-                     groups: int) -> list[dict[str, Any]]:
+                     groups: int, drafts: str = "accepted") -> list[dict[str, Any]]:
     """Every (system, batch) cell through one Ray cluster per drafter kind; Ray is shut down after."""
     import ray
 
-    from specd.bench.free_models import FreeDraftWorker, FreeTargetWorker
+    from specd.bench.overhead import free_classes
     from specd.cluster import actors
 
-    classes = (FreeTargetWorker, FreeDraftWorker) if free else (None, None)
+    classes = free_classes(drafts) if free else (None, None)
     started = actors.init_ray(cfg)
     rows = []
     try:

@@ -163,10 +163,12 @@ run() {
                     --systems target-only,specd-default,specd-chain,specd-tree \
                     --json "$RESULTS/gpu-engine-f32$TAG.json" "${cuda[@]}" target.dtype=float32 drafter.dtype=float32 ;;
             # Host time per step (free forwards, and the real model beside them), then a cProfile of the
-            # real cells in a run of their own, summarised as text.
+            # real cells in a run of their own, summarised as text. SPECD_GPU_OVERHEAD_DRAFTS=rejected:
+            # free cells where no draft is accepted (what speculating costs where it buys nothing).
             overhead) phase overhead "$PY" -m specd.cluster.cli bench overhead --where in-process \
                     --batch-sizes "${SPECD_GPU_OVERHEAD_BATCHES:-1,8,16}" --real \
-                    --systems "${SPECD_GPU_OVERHEAD_SYSTEMS:-target-only,chain,tree,default}" --json "$RESULTS/gpu-overhead$TAG.json" "${cuda[@]}"
+                    --systems "${SPECD_GPU_OVERHEAD_SYSTEMS:-target-only,chain,tree,default}" \
+                    --drafts "${SPECD_GPU_OVERHEAD_DRAFTS:-accepted}" --json "$RESULTS/gpu-overhead$TAG.json" "${cuda[@]}"
                 # SPECD_GPU_CPROFILE=0 leaves the cProfile run out
                 [ "${SPECD_GPU_CPROFILE:-1}" = 0 ] || {
                 phase profile "$PY" -m specd.cluster.cli bench overhead --where in-process --steps 40 \

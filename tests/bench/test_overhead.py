@@ -7,7 +7,14 @@ import json
 import pytest
 
 from specd.bench import overhead
-from specd.bench.free_models import TOKEN, FreeForward, FreeTargetWorker, write_stand_ins
+from specd.bench.free_models import (
+    TOKEN,
+    FreeForward,
+    FreeTargetWorker,
+    UnpredictableTargetWorker,
+    moving_token,
+    write_stand_ins,
+)
 
 
 def test_free_forward_answers_with_the_real_shapes_and_refuses_writes(tmp_path):
@@ -26,6 +33,45 @@ def test_free_forward_answers_with_the_real_shapes_and_refuses_writes(tmp_path):
     with pytest.raises(RuntimeError):
         logits.add_(1.0)        # a caller writing into the shared row would fail, not skew later steps
     assert forward.calls == 1
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_an_unpredictable_target_moves_its_peak_at_every_forward(tmp_path, decode):
+    """No two forwards within a run peak at the same token, never at the drafter's TOKEN or EOS, and every
+    position of one forward peaks at that forward's token."""
+    import torch
+
+    from specd.configs import load_config
+
+    assert len({moving_token(i) for i in range(1, 40001)}) == 40000
+    assert not {TOKEN, 1} & {moving_token(i) for i in range(1, 40001)}
+    target_dir, _ = write_stand_ins(tmp_path, 512)
+    cfg = load_config([f"target.model_path={target_dir}", "target.max_slots=2", "target.max_seq_len=512",
+                       f"target.decode={decode}"])
+    worker = UnpredictableTargetWorker(cfg.target)
+    peaks = []
+    slots = [worker.runner.allocate(), worker.runner.allocate()]
+    with torch.inference_mode():
+        for _ in range(4):
+            logits = worker.runner.extend(slots, [[3, 4], [5, 6]])         # [2, 2, vocab]
+            top = logits.argmax(dim=-1)
+            assert torch.equal(top, torch.full_like(top, int(top[0, 0])))
+            peaks.append(int(top[0, 0]))
+    assert len(set(peaks)) == 4 and TOKEN not in peaks
+
+
+def test_rejected_drafts_cells_draft_nothing_that_is_accepted(tmp_path):
+    """--drafts rejected: a chain's drafts all fail, so each request emits one token a step (the recovered
+    one), and the default's planner stops asking for drafts it will not get."""
+    out = tmp_path / "rejected.json"
+    rc = overhead.main(["--where", "in-process", "--systems", "chain,default", "--batch-sizes", "2",
+                        "--steps", "20", "--warmup", "20", "--drafts", "rejected", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    by = {r["system"]: r for r in data["rows"]}
+    assert data["meta"]["drafts"] == "rejected" and by["chain"]["drafts"] == "rejected"
+    assert by["chain"]["tokens_per_step"] == 2 and by["default"]["tokens_per_step"] == 2
+    assert by["chain"]["phases_ms"]["propose"] > 0
 
 
 def test_in_process_cells_report_every_system(tmp_path):

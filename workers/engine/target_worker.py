@@ -215,8 +215,9 @@ class TargetWorker:
                 p = self._probs(logits, [r.sampling for r in runs])   # [b, n_max, vocab]
                 keyed = [i for i, r in enumerate(runs) if _is_keyed(r.sampling)]
                 if keyed:
+                    states = _states_to_host(hidden, keyed, drafts)     # before the samples' read
                     samples = self._keyed_samples(keyed, drafts, starts, p, runs)
-                    results.update(self._verify_by_choice(keyed, samples, drafts, runs, starts, hidden))
+                    results.update(self._verify_by_choice(keyed, samples, drafts, runs, starts, states))
                 sampled = [i for i in range(len(runs))
                            if not runs[i].sampling.is_greedy and not _is_keyed(runs[i].sampling)]
                 chains = [i for i in sampled if drafts[i].parents is None]
@@ -246,11 +247,12 @@ class TargetWorker:
                 else [])
         choices: dict[int, list[int] | _ArgmaxByNode] = {i: _ArgmaxByNode(logits[i]) for i in lazy}
         batched = [i for i in rows if i not in choices]
+        states = _states_to_host(hidden, rows, drafts)     # queued before the choices' read
         if batched:
             n = max(1 + len(drafts[i].tokens) for i in batched)
             picked = logits[:, :n] if len(batched) == logits.shape[0] else logits[batched, :n]
             choices.update(zip(batched, greedy_argmax(picked).tolist(), strict=True))
-        return self._verify_by_choice(rows, [choices[i] for i in rows], drafts, runs, starts, hidden)
+        return self._verify_by_choice(rows, [choices[i] for i in rows], drafts, runs, starts, states)
 
     def _keyed_samples(self, rows, drafts, starts, p, runs) -> list[list[int]]:
         """The target's keyed sample (workers/core/keyed.py) after the root and after every draft node of
@@ -271,7 +273,7 @@ class TargetWorker:
             at += size
         return out
 
-    def _verify_by_choice(self, rows, choices, drafts, runs, starts, hidden) -> dict[int, VerifyResult]:
+    def _verify_by_choice(self, rows, choices, drafts, runs, starts, states) -> dict[int, VerifyResult]:
         """Rows whose target token after every node is already chosen (`choices[j][node]`), chains and trees
         alike: greedy rows (the argmax of their logits) and seeded sampled rows (their keyed samples).
 
@@ -280,10 +282,6 @@ class TargetWorker:
         rows this is what the residual verifiers do with one-hot p (sampling.logits_to_probs), without p
         over the vocabulary or a walk on the device; for seeded rows it is keyed sampling's rule.
         """
-        states = None
-        if hidden is not None:
-            n = max(1 + len(drafts[i].tokens) for i in rows)
-            states = (hidden[:, :n] if len(rows) == hidden.shape[0] else hidden[rows, :n]).float().cpu()
         results, kept = {}, []       # kept: (slot, start, path) of tree rows, compacted together
         read_rows, read_nodes = [], []   # the states each result carries, gathered at once
         for j, i in enumerate(rows):
@@ -333,10 +331,8 @@ class TargetWorker:
         q = self._stack_q(chain, gamma_max, p.shape[-1], draft_tokens, p.device)
         out = verify_chain(draft_tokens, num_drafted, q, p, [runs[i].generator for i in rows],
                            [runs[i].sampling.is_greedy for i in rows], host_drafted=drafted)
+        states = _states_to_host(hidden, rows, drafts)                    # [c, γmax+1, H], queued first
         num_accepted, is_bonus, output_tokens = out.to_host()      # the step's outcome, read once
-        states = None
-        if hidden is not None:
-            states = hidden[rows, : gamma_max + 1].float().cpu()          # [c, γmax+1, H]
         results = {}
         for j, i in enumerate(rows):
             d, run = drafts[i], runs[i]
@@ -413,6 +409,19 @@ class TargetWorker:
 def _is_keyed(sampling: SamplingParams) -> bool:
     """Seeded sampled rows are sampled by keyed noise (workers/core/keyed.py); the rest as before."""
     return sampling.seed is not None and not sampling.is_greedy
+
+
+def _states_to_host(hidden: torch.Tensor | None, rows: list[int], drafts: list[Draft]) -> torch.Tensor | None:
+    """The rows' hidden states up to their longest draft, float32 on the host: [len(rows), n, H] of hidden
+    [b, n_max, H]. The copy is queued, not waited for: on a GPU it lands in pinned memory behind the
+    step's forward, and the outcome's read that the caller makes next (a synchronisation) finds it done,
+    so a verify that returns hidden states still synchronises once. Read the result only after that read.
+    On the CPU it is the tensor itself."""
+    if hidden is None:
+        return None
+    n = max(1 + len(drafts[i].tokens) for i in rows)
+    part = hidden[:, :n] if len(rows) == hidden.shape[0] else hidden[rows, :n]
+    return part.float().to("cpu", non_blocking=True)
 
 
 def _node_depths(draft: Draft) -> list[int]:
