@@ -32,6 +32,8 @@ from typing import Any
 from specd.bench.datasets import EXTRA_WORKLOADS, WORKLOADS, request_lengths, workload_prompts
 from specd.bench.report import (
     add_ratios,
+    busy_warnings,
+    first_use_warnings,
     make_row,
     merge_rounds,
     render_table,
@@ -186,8 +188,11 @@ def build_jobs(
         "warmup_prompt": prompts[plan.workloads[0]][0][1],
         # On a GPU the first forward of each shape captures a CUDA graph (specd) or compiles (transformers):
         # a one-time cost per process, like loading, so every system first runs each cell's first group
-        # untimed there. On the CPU nothing is captured and the single warm-up generate is enough.
-        "warm_each_cell": str(cfg.target.device).startswith("cuda"),
+        # untimed there, and on the CPU too where the static path's buckets are asked for (decode=static
+        # or compiled there: what the GPU's warm-up leaves unwarmed shows as first_use_buckets). With
+        # eager decoding on the CPU nothing is captured and the single warm-up generate is enough.
+        "warm_each_cell": (str(cfg.target.device).startswith("cuda")
+                           or cfg.target.decode not in ("auto", "eager")),
         "paired": paired or lockstep,
         "lockstep": lockstep,
         "continuous": continuous,
@@ -330,29 +335,8 @@ def collect_rows(results: dict[str, list[dict]], plan: Plan) -> tuple[list[dict]
                                     f"{cell['requested_tokens']} tokens")
         rows.extend(merge_rounds(cell_rows) for cell_rows in per_cell.values())
     add_ratios(rows, outputs)
-    warnings += busy_warnings(rows)
+    warnings += busy_warnings(rows) + first_use_warnings(rows)
     return sort_rows(rows, list(SYSTEMS)), warnings
-
-
-# Other processes keeping this much of a CPU busy on average during a cell make its timing suspect.
-OTHER_CPUS_BUSY = 0.25
-
-
-def busy_warnings(rows: list[dict]) -> list[str]:
-    """Whether anything besides the bench ran. The CPU time of other processes decides (other_cpus); the
-    load average, which counts the bench's own threads, only where that was not measured."""
-    others = [r["other_cpus"] for r in rows if r.get("other_cpus") is not None]
-    if others:
-        if max(others) <= OTHER_CPUS_BUSY:
-            return []
-        return [f"the machine was busy: other processes kept up to {max(others):.2f} CPUs busy during a "
-                "cell: timings are unreliable"]
-    loads = [r["loadavg_1m_max"] for r in rows if r.get("loadavg_1m_max") is not None]
-    cpus = os.cpu_count() or 1
-    if loads and max(loads) > cpus:
-        return [f"the machine may have been busy (1-min load average up to {max(loads):.1f} on {cpus} CPUs, "
-                "the bench's own threads included): timings may be unreliable"]
-    return []
 
 
 NOTES = (

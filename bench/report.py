@@ -9,6 +9,7 @@ Plain functions on dicts, so they are tested on tiny fake rows.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,10 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "peak_rss_mb": peak_rss_mb,
         "load_s": load_s,
         "warmup_s": warmup_s,       # the untimed warm-ups (compiles, CUDA graph captures)
+        # static-decode buckets the timed run used first, and the seconds of wall_s their first use took
+        # (a CUDA graph capture each on a GPU); None where the engine has no static decoder's count
+        "first_use_buckets": cell.get("first_use_buckets"),
+        "first_use_s": cell.get("first_use_s"),
         "loadavg_1m_max": max(cell["loadavg"]) if cell.get("loadavg") else None,
         "other_cpus": cell.get("other_cpus"),
         "speculative_specd": speculative_specd,
@@ -265,3 +270,40 @@ def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+# First uses of static-decode buckets taking this share of a cell's timed wall time are reported.
+FIRST_USE_SHARE = 0.02
+
+
+def first_use_warnings(rows: list[dict]) -> list[str]:
+    """Cells whose timed run met static-decode buckets the warm-ups had not (each a CUDA graph capture on
+    a GPU): their tokens/s include those first uses, which a long-running server pays once."""
+    out = []
+    for r in rows:
+        seconds, wall = r.get("first_use_s"), r.get("wall_s") or 0.0
+        if seconds and wall > 0 and seconds >= FIRST_USE_SHARE * wall:
+            out.append(f"{r['system']} {r['workload']} batch {r['batch']}: {r['first_use_buckets']} decode "
+                       f"buckets first used while timed took {seconds:.2f} s of its {wall:.2f} s")
+    return out
+
+
+# Other processes keeping this much of a CPU busy on average during a cell make its timing suspect.
+OTHER_CPUS_BUSY = 0.25
+
+
+def busy_warnings(rows: list[dict]) -> list[str]:
+    """Whether anything besides the bench ran. The CPU time of other processes decides (other_cpus); the
+    load average, which counts the bench's own threads, only where that was not measured."""
+    others = [r["other_cpus"] for r in rows if r.get("other_cpus") is not None]
+    if others:
+        if max(others) <= OTHER_CPUS_BUSY:
+            return []
+        return [f"the machine was busy: other processes kept up to {max(others):.2f} CPUs busy during a "
+                "cell: timings are unreliable"]
+    loads = [r["loadavg_1m_max"] for r in rows if r.get("loadavg_1m_max") is not None]
+    cpus = os.cpu_count() or 1
+    if loads and max(loads) > cpus:
+        return [f"the machine may have been busy (1-min load average up to {max(loads):.1f} on {cpus} CPUs, "
+                "the bench's own threads included): timings may be unreliable"]
+    return []

@@ -74,6 +74,7 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
             t0 = time.perf_counter()
             engine.generate(warm_group, ignore_eos=True)
             warmup_s += time.perf_counter() - t0
+        first_before = first_uses(engine)
         # --continuous: the cell's prompts are one group, a queue of which at most `batch` run at a time
         continuous = bool(job.get("continuous"))
         size = len(cell["prompts"]) if continuous else cell["batch"]
@@ -128,6 +129,12 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
                     result["emitted"] += seq.stats.emitted
         if not system.spec_enabled:
             result.update(drafted=None, accepted=None, steps=None, emitted=None)
+        if first_before is not None:
+            # static-decode buckets the timed run used first (on a GPU each one a CUDA graph capture, timed
+            # with the cell: a short run that meets many reads slower than the steps themselves are)
+            after = first_uses(engine)
+            result["first_use_buckets"] = after[0] - first_before[0]
+            result["first_use_s"] = round(after[1] - first_before[1], 4)
         if hasattr(suffix, "clear_index"):
             # drafted / accepted tokens by source: local (own context), global (cross-request), model
             result["suffix_sources"] = suffix.stats()["sources"]
@@ -137,6 +144,20 @@ def run_specd(job: dict[str, Any], events: Events) -> dict[str, Any]:
         "cells": cells, "load_s": load_s, "warmup_s": warmup_s, "drafter_version": drafter_version,
         "device": device_info(cfg.target.device),
     }
+
+
+def first_uses(engine) -> tuple[int, float] | None:
+    """Static-decode buckets first used by the engine's target and drafter so far, and the seconds that
+    took; None for an engine that is not specd's own (vLLM, transformers)."""
+    target = getattr(engine, "target", None)
+    if not hasattr(target, "first_uses"):
+        return None
+    count, seconds = target.first_uses()
+    drafter = getattr(engine, "drafter", None)
+    if drafter is not None:
+        more = drafter.first_uses()
+        count, seconds = count + more[0], seconds + more[1]
+    return count, seconds
 
 
 def cell_lengths(job: dict[str, Any], cell: dict[str, Any]) -> list[int]:

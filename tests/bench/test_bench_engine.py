@@ -136,6 +136,8 @@ def test_smoke_run_target_only_and_ngram(tmp_path):
     assert ngram["tokens_per_step"] >= 1.0
     assert ngram["speedup_vs_target_only"] == pytest.approx(ngram["tokens_per_s"] / baseline["tokens_per_s"])
     assert ngram["greedy_agreement_vs_target_only"] == 1.0     # lossless: same greedy tokens
+    # eager decoding (the CPU's) has no static buckets: none was first used while timed
+    assert all(r["first_use_buckets"] == 0 and r["first_use_s"] == 0.0 for r in rows)
 
 
 @pytest.mark.slow
@@ -278,3 +280,35 @@ def test_steady_span_ends_when_a_queue_runs_dry_and_its_batch_drops():
     # with the round before (slow then at three steps of two requests; round 4 admitted its last two)
     assert span.timed("fast") == (3.0, 6) and span.timed("slow") == (3.0, 6)
     assert (fast.seconds, slow.seconds) == (4.0, 6.0) and set(admitted) == {f"r{i}" for i in range(4)}
+
+
+def test_cells_whose_timed_run_met_new_decode_buckets_are_reported():
+    """A timed run that used static-decode buckets the warm-ups had not (a CUDA graph capture each on a
+    GPU) says so when their first uses took a visible share of its wall time."""
+    from specd.bench.report import first_use_warnings
+    from specd.bench.runners import first_uses
+
+    rows = [{"system": "specd-default", "workload": "gsm8k", "batch": 8, "wall_s": 0.5,
+             "first_use_buckets": 8, "first_use_s": 0.2},
+            {"system": "target-only", "workload": "gsm8k", "batch": 8, "wall_s": 0.5,
+             "first_use_buckets": 1, "first_use_s": 0.001},
+            {"system": "vllm", "workload": "gsm8k", "batch": 8, "wall_s": 0.5,
+             "first_use_buckets": None, "first_use_s": None}]
+    (warning,) = first_use_warnings(rows)
+    assert warning.startswith("specd-default gsm8k batch 8: 8 decode buckets")
+    assert "0.20 s of its 0.50 s" in warning
+
+    class Worker:
+        def __init__(self, uses):
+            self.uses = uses
+
+        def first_uses(self):
+            return self.uses
+
+    class Engine:
+        target, drafter = Worker((3, 0.5)), Worker((2, 0.25))
+
+    assert first_uses(Engine()) == (5, 0.75)
+    Engine.drafter = None
+    assert first_uses(Engine()) == (3, 0.5)
+    assert first_uses(object()) is None        # not specd's engine (vLLM, transformers)

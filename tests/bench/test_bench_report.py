@@ -170,7 +170,7 @@ def test_json_and_plot_files(tmp_path):
 
 def test_busy_warning_counts_other_processes_not_the_bench_itself() -> None:
     from specd.bench.child import finish_cell, new_cell_result
-    from specd.bench.engine import OTHER_CPUS_BUSY, busy_warnings
+    from specd.bench.report import OTHER_CPUS_BUSY, busy_warnings
 
     cell = new_cell_result({"workload": "w", "batch": 1, "temperature": 0.0, "prompts": [[1]]})
     deadline = time.monotonic() + 0.3

@@ -62,6 +62,11 @@ class DraftWorker:
         """The drafter reads the target's hidden states: start and verify must return them."""
         return self.drafter.uses_target_hidden
 
+    def first_uses(self) -> tuple[int, float]:
+        """Static-decode buckets first used so far and the seconds that took (ModelRunner.first_uses)."""
+        weights = self.drafter.weights_drafter
+        return weights.runner.first_uses() if weights is not None else (0, 0.0)
+
     def busy_seconds(self) -> float:
         return self._busy
 

@@ -104,6 +104,10 @@ class TargetWorker:
     def free_slots(self) -> int:
         return self.cfg.max_slots - len(self.running)
 
+    def first_uses(self) -> tuple[int, float]:
+        """Static-decode buckets first used so far and the seconds that took (ModelRunner.first_uses)."""
+        return self.runner.first_uses()
+
     def busy_seconds(self) -> float:
         return self._busy
 

@@ -104,6 +104,12 @@ class ModelRunner:
     def length(self, slot: int) -> int:
         return int(self.cache.lengths[slot])
 
+    def first_uses(self) -> tuple[int, float]:
+        """(buckets, host seconds) the static decoder spent on buckets' first uses (0, 0.0 eager)."""
+        if self.static is None:
+            return 0, 0.0
+        return self.static.first_uses, self.static.first_use_seconds
+
     def lengths(self, slots: list[int]) -> list[int]:
         return self.cache.lengths_of(slots)
 

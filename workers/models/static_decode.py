@@ -23,6 +23,7 @@ graphs on CUDA (docs/decisions/compiled-decode.md).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,11 @@ class StaticDecoder:
         self.max_tokens = max_tokens
         self.device = model.embed_tokens.device
         self.graphs: dict[tuple, _Graph] = {}
+        # Buckets first used so far and the host seconds their first use took beyond a replay (buffers,
+        # compiles, a CUDA graph's capture): a first use while requests wait stalls them, and a benchmark
+        # whose timed run meets new buckets times their capture too (bench/runners.py reports both).
+        self.first_uses = 0
+        self.first_use_seconds = 0.0
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._pending: torch.cuda.Event | None = None   # the last host-to-device copy of the inputs
         self.chains = True                               # drafter chains in one run (see chain)
@@ -106,6 +112,7 @@ class StaticDecoder:
         key = (bb, nb, kv, full_vocab, return_hidden, features is not None, leading)
         graph = self.graphs.get(key)
         fresh = graph is None
+        began = time.perf_counter()
         if fresh:
             inputs = self._buffers(bb, nb, features is not None)
             graph = self.graphs[key] = _Graph(inputs, (), None, self._staged(inputs["host"], bb, nb))
@@ -119,9 +126,12 @@ class StaticDecoder:
         elif self.capture:
             graph.graph, graph.outputs = self._capture(
                 lambda: self._run(graph.inputs, kv, full_vocab, return_hidden, leading))
+            self._first_use(began)
             graph.graph.replay()
             outputs = graph.outputs
         else:
+            if fresh:
+                self._first_use(began)
             outputs = self._run(graph.inputs, kv, full_vocab, return_hidden, leading)
         logits = outputs[0][:b, :n].clone()
         hidden = outputs[1][:b, :n].clone() if return_hidden else None
@@ -153,6 +163,7 @@ class StaticDecoder:
         key = ("chain", bb, nb, kv, steps, features is not None, leading)
         graph = self.graphs.get(key)
         fresh = graph is None
+        began = time.perf_counter()
         if fresh:
             inputs = self._buffers(bb, nb, features is not None)
             graph = self.graphs[key] = _Graph(inputs, (), None, self._staged(inputs["host"], bb, nb))
@@ -170,12 +181,18 @@ class StaticDecoder:
                 self.chains = False
                 del self.graphs[key]
                 return None
+        if fresh:
+            self._first_use(began)
         if graph.graph is not None:
             graph.graph.replay()
             drafted = graph.outputs[0]
         else:
             drafted = self._run_chain(graph.inputs, kv, steps, leading)[0]
         return drafted[:b].tolist()
+
+    def _first_use(self, began: float) -> None:
+        self.first_uses += 1
+        self.first_use_seconds += time.perf_counter() - began
 
     def _compile_both(self, leading: bool, bb: int, run) -> None:
         """decode=compiled: a new bucket runs the other `leading` case once too, so both are compiled in a

@@ -64,6 +64,11 @@ def test_static_runner_matches_eager_and_never_hands_out_the_scratch_slot(tiny_t
     assert set(static.static.graphs) == {(2, 4, 64, True, False, False, False),
                                          (1, 4, 64, True, False, False, False),
                                          (2, 1, 64, True, False, False, True)}
+    # each bucket's first use is counted once, with the time it took (a capture on a GPU); eager has none
+    assert static.first_uses()[0] == 3 and static.first_uses()[1] > 0
+    assert eager.first_uses() == (0, 0.0)
+    static.extend([slots[2], slots[0]], [[1, 2, 3], [4]])       # the first bucket again: no first use
+    assert static.first_uses()[0] == 3
 
 
 def test_a_new_compiled_bucket_compiles_both_leading_cases_and_still_matches_eager(tiny_target_dir) -> None:
