@@ -60,6 +60,10 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         # (a CUDA graph capture each on a GPU); None where the engine has no static decoder's count
         "first_use_buckets": cell.get("first_use_buckets"),
         "first_use_s": cell.get("first_use_s"),
+        # tokens/s over the wall time less those first uses: what a server that has met every bucket
+        # would do (a long-running one has); beside tokens_per_s, never in its place
+        "tokens_per_s_less_first_uses": _less_first_uses(cell, timed, wall),
+        "speedup_vs_target_only_less_first_uses": None,
         "loadavg_1m_max": max(cell["loadavg"]) if cell.get("loadavg") else None,
         "other_cpus": cell.get("other_cpus"),
         "speculative_specd": speculative_specd,
@@ -73,6 +77,13 @@ def make_row(system: str, cell: dict[str, Any], max_new_tokens: int, peak_rss_mb
         "speedup_vs_vllm": None,
         "greedy_agreement_vs_target_only": None,
     }
+
+
+def _less_first_uses(cell: dict[str, Any], timed: int, wall: float) -> float | None:
+    first = cell.get("first_use_s")
+    if first is None or wall - first <= 0:
+        return None
+    return timed / (wall - first)
 
 
 def _paired_base_tps(cell: dict[str, Any]) -> float | None:
@@ -108,7 +119,7 @@ def paired_interval(groups: list[list[float]], level: float = 0.95) -> list[floa
 # Timings of one system's rounds (--rounds: fresh processes) that merge_rounds replaces by their median.
 MEDIAN_FIELDS = ("tokens_per_s", "ms_per_token_p50", "speedup_vs_target_only_paired",
                  "paired_base_tokens_per_s", "peak_rss_mb", "load_s", "acceptance_rate",
-                 "tokens_per_step")
+                 "tokens_per_step", "tokens_per_s_less_first_uses")
 
 
 def merge_rounds(rounds: list[Row]) -> Row:
@@ -148,12 +159,15 @@ def add_ratios(rows: list[dict[str, Any]], outputs: dict[tuple[str, CellKey], li
     target-only's: specd is lossless, so its speculative rows should agree (rare float ties aside).
     """
     tps = {(r["system"], cell_key(r)): r["tokens_per_s"] for r in rows}
+    warm = {(r["system"], cell_key(r)): r.get("tokens_per_s_less_first_uses") for r in rows}
     for row in rows:
         key = cell_key(row)
         if row["speculative_specd"] and row["tokens_per_s"]:
             for baseline, field in ((TARGET_ONLY, "speedup_vs_target_only"), (VLLM_AR, "speedup_vs_vllm")):
                 base = tps.get((baseline, key))
                 row[field] = row["tokens_per_s"] / base if base else None
+            mine, base = row.get("tokens_per_s_less_first_uses"), warm.get((TARGET_ONLY, key))
+            row["speedup_vs_target_only_less_first_uses"] = mine / base if mine and base else None
         # The same decoding (speculation off) in this system's process over the target-only process: what
         # the two processes differ by, apart from speculation (1.0 if processes were alike).
         base, target_only = row.get("paired_base_tokens_per_s"), tps.get((TARGET_ONLY, key))

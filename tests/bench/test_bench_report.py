@@ -183,3 +183,20 @@ def test_busy_warning_counts_other_processes_not_the_bench_itself() -> None:
     assert "0.90 CPUs" in busy_warnings([{"other_cpus": 0.9, "loadavg_1m_max": 2.2}])[0]
     assert OTHER_CPUS_BUSY < 0.9
     assert "may have been busy" in busy_warnings([{"loadavg_1m_max": 3.5}])[0]
+
+
+def test_first_uses_of_decode_buckets_come_off_a_second_rate_beside_the_first():
+    """tokens_per_s keeps every second of the timed run; tokens_per_s_less_first_uses takes the buckets'
+    first uses (captures on a GPU) off the wall time, and its speed-up divides by target-only's alike."""
+    base = make_row("target-only", {**cell(generated=1000, wall=4.0), "first_use_s": 0.0}, 128, None, False)
+    spec = make_row("specd-default", {**cell(generated=1000, wall=5.0), "first_use_buckets": 4,
+                                      "first_use_s": 1.0}, 128, None, True)
+    eager = make_row("specd-chain", cell(generated=1000, wall=5.0), 128, None, True)
+    add_ratios([base, spec, eager])
+    assert spec["tokens_per_s"] == pytest.approx(200.0)
+    assert spec["tokens_per_s_less_first_uses"] == pytest.approx(250.0)
+    assert spec["speedup_vs_target_only"] == pytest.approx(0.8)
+    assert spec["speedup_vs_target_only_less_first_uses"] == pytest.approx(1.0)
+    # no count (an engine without a static decoder's): no second rate, no second ratio
+    assert eager["tokens_per_s_less_first_uses"] is None
+    assert eager["speedup_vs_target_only_less_first_uses"] is None
