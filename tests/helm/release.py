@@ -218,7 +218,8 @@ class Release:
         overrides.write_text(self.router_overrides(ports))
         assert router_c["command"][-1] == "/etc/specd/config/overrides.txt"
         cmd = " ".join(router_c["command"][:-1] + [str(overrides)])
-        pod.containers.append(Container("router", cmd, self.env(router_c, pod)))
+        pre_stop = router_c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+        pod.containers.append(Container("router", cmd, self.env(router_c, pod), pre_stop=pre_stop))
 
     def router_overrides(self, ports: dict) -> str:
         out = []

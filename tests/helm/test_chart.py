@@ -397,3 +397,24 @@ def test_grafana_dashboard_shows_the_serving_series() -> None:
         m.name for m in metrics.registry.collect()}
     for series in ("specd_drafter_swaps", "specd_trainer_rollbacks", "specd_drafter_version_info"):
         assert series in known, series
+
+
+def test_a_router_pods_shutdown_fits_its_grace_period(rendered) -> None:
+    """Deleted gracefully, a router pod serves on through its preStop delay (the Service dropping its
+    endpoint), then drains for server.shutdown_grace_s; its Ray node, whose stop ends the router's actors,
+    stops only after that; and all of it ends within the pod's grace period."""
+    from specd.configs.schema import ServerConfig
+
+    name, values, docs = rendered
+    cfg_lines = dict(line.split("=", 1) for line in overrides_of(docs))
+    drain = float(cfg_lines.get("server.shutdown_grace_s", ServerConfig().shutdown_grace_s))
+    pod = router_pod(docs)
+    delays = {}
+    for c in pod["containers"]:
+        command = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+        delays[c["name"]] = float(command[1]) if command else 0.0
+        if command:
+            assert command[0] == "sleep", c["name"]
+    expected = values.get("router", {}).get("preStopDelaySeconds", 5)
+    assert delays["router"] == expected
+    assert delays["router"] + drain < delays["ray-worker"] < pod["terminationGracePeriodSeconds"]
