@@ -435,6 +435,8 @@ class GoodputController:
                 yield i, [*depths[:i], depths[i] + 1, *depths[i + 1:]], widths
             if depths[i] > 0 and widths[i] < s.max_width:
                 yield i, depths, [*widths[:i], widths[i] + 1, *widths[i + 1:]]
+        if len(slots) == 1:
+            return      # lifting one request's depth is its own depth move, yielded above
         level = max(depths, default=0) + 1
         lifted = [max(d, min(level, s.max_depth)) for d, s in zip(depths, slots, strict=True)]
         if lifted != depths:

@@ -331,3 +331,29 @@ def test_a_plans_frozen_batch_prices_match_the_model_at_every_shape() -> None:
         assert free == pytest.approx(expected - costs.draft_seconds(1, 3), rel=1e-12)
         assert frozen.step_seconds([1] * b, [0] * b) == pytest.approx(table(b, 1), rel=1e-12)
         assert frozen.host == costs.host_seconds(b)
+
+
+def test_one_request_plans_as_it_did_with_the_lift_move_it_no_longer_prices() -> None:
+    """At batch 1 lifting every request's depth is the one request's own depth move: the climb no longer
+    prices it twice, and plans exactly as a controller that still offers it (ties go to the earlier move)."""
+    import random
+
+    class WithLift(GoodputController):
+        def _moves(self, slots, depths, widths):
+            yield from super()._moves(slots, depths, widths)
+            if len(slots) == 1 and depths[0] < slots[0].max_depth:
+                yield None, [depths[0] + 1], widths
+
+    rng = random.Random(7)
+    for _ in range(200):
+        profile = rng.choice([flat_profile(draft=rng.uniform(0.0, 0.01)),
+                              linear_profile(draft=rng.uniform(0.0, 0.01))])
+        prior = [rng.uniform(0.0, 1.0) for _ in range(rng.randint(1, 8))]
+        depth, width = rng.randint(0, 8), rng.randint(1, 3)
+        one = [Slot(Acceptance(prior, max(depth, 1)), max_depth=depth, max_width=width,
+                    free=rng.random() < 0.3, setup_seconds=rng.uniform(0.0, 0.002))]
+        host = rng.random() < 0.5
+        mine = GoodputController(StepCostModel(profile)).plan(one, host)
+        theirs = WithLift(StepCostModel(profile)).plan(one, host)
+        assert (mine.depths, mine.widths) == (theirs.depths, theirs.widths)
+        assert mine.goodput == pytest.approx(theirs.goodput)
