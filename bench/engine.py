@@ -150,7 +150,7 @@ def build_jobs(
     from specd.workers.models.loader import ensure_target_model, load_tokenizer
 
     cfg = load_config(overrides)
-    model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
+    model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir, cfg.target.model)
     tokenizer = load_tokenizer(model_dir)
     prompts = {w: workload_prompts(w, plan.num_prompts, tokenizer) for w in plan.workloads}
     longest = max(len(ids) for rows in prompts.values() for _, ids in rows)

@@ -385,7 +385,7 @@ def prepare(args: argparse.Namespace, prefix: str) -> tuple[list[str], Any, str,
         args.max_new_tokens = min(args.max_new_tokens, 16)
     overrides = list(args.overrides)
     cfg = load_config(overrides)
-    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
+    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir, cfg.target.model))
     drafter = args.drafter or start_drafter(args.from_offline, cfg.cache_dir, model_dir)
     work = Path(args.log_dir or tempfile.mkdtemp(prefix=prefix))
     work.mkdir(parents=True, exist_ok=True)

@@ -295,7 +295,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return run(args)
     overrides = list(args.overrides)
     cfg = load_config(overrides)
-    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
+    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir, cfg.target.model))
     rounds = max(1, args.rounds)
     messages, prompt_ids = mixed_prompts(args.workloads.split(","), args.requests * rounds,
                                          load_tokenizer(model_dir))

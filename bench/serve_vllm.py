@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = max(1, args.rounds)
     overrides = list(args.overrides)
     cfg = load_config([*BASE, *overrides])
-    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir))
+    model_dir = str(ensure_target_model(cfg.target.model_path, cfg.cache_dir, cfg.target.model))
     tokenizer = load_tokenizer(model_dir)
     messages, _ = mixed_prompts(args.workloads.split(","), args.requests * len(clients) * rounds, tokenizer)
     lengths = request_lengths(len(messages), args.max_new_tokens, args.lengths)

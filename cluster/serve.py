@@ -254,8 +254,10 @@ async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
 
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
-    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
-    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir)  # drafters per target
+    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir,
+                                        cfg.target.model)
+    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir,  # drafters per target
+                                     cfg.target.model)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
     await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
     versions = await asyncio.to_thread(publish_first_version, cfg, res, str(model_dir))

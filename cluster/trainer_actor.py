@@ -125,8 +125,9 @@ def build_trainer(cfg, endpoint: RedisEndpoint):
     from specd.workers.models.loader import ensure_target_model, scoped_cache_dir
 
     torch.set_num_threads(max(1, int(cfg.trainer.num_cpus)))
-    target_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
-    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, target_dir)  # as the router's
+    target_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir, cfg.target.model)
+    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, target_dir,  # as the router's
+                                     cfg.target.model)
     store = versions_store(cfg, endpoint, target_dir)
     # The serving version from Redis when there is one: the drafter the router started from (version 0)
     # may sit on the router's disk only. A base drafter on this node's disk (the image's) is still what

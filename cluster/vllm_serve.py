@@ -56,8 +56,10 @@ async def bring_up_vllm(cfg, res, install_signals):
                     "it is meant for GPUs")
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()
-    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir)
-    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir)  # drafters per target
+    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir,
+                                        cfg.target.model)
+    cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir,  # drafters per target
+                                     cfg.target.model)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
     from specd.cluster.first_start import ensure_serving_drafter, publish_first_version
 

