@@ -284,6 +284,7 @@ def test_worker_groups_gpus_and_redis(rendered) -> None:
     {"unknownTopLevel": 1},
     {"draft": {"shareTargetGPUs": True, "gpuFraction": 1.0}},   # 1 + 1 GPUs asked of a 1-GPU pod
     {"rayVersion": "2.40.0"},                  # KubeRay's probes would exec wget
+    {"router": {"rayNode": {"memory": "lots"}}},   # also the /dev/shm size limit
     {"target": {"rayStartParams": {"resources": '{"x": 1}'}}},   # split by bash -c
     {"podSecurityContext": {"runAsNonRoot": False, "seccompProfile": {"type": "RuntimeDefault"}}},
 ])
@@ -418,3 +419,24 @@ def test_a_router_pods_shutdown_fits_its_grace_period(rendered) -> None:
     expected = values.get("router", {}).get("preStopDelaySeconds", 5)
     assert delays["router"] == expected
     assert delays["router"] + drain < delays["ray-worker"] < pod["terminationGracePeriodSeconds"]
+
+
+def test_the_router_sees_its_ray_node_and_the_node_has_what_kuberay_gives_a_ray_container(rendered) -> None:
+    """A Ray driver attaches only to a raylet whose process it can see (ray/_private/services.py,
+    find_node_ids): the router pod shares one process namespace. Its Ray container has the memory-backed
+    /dev/shm KubeRay mounts into its own Ray containers (sized to the memory request), probes and
+    resources."""
+    name, values, docs = rendered
+    pod = router_pod(docs)
+    assert pod["shareProcessNamespace"] is True, name
+    ray_c = next(c for c in pod["containers"] if c["name"] == "ray-worker")
+    shm = next(m for m in ray_c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = router_volumes(docs)[shm["name"]]
+    memory = ray_c["resources"]["requests"]["memory"]
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": memory}
+    assert ray_c["resources"]["limits"]["memory"] == memory
+    assert {"cpu", "memory"} <= set(ray_c["resources"]["requests"]) and "cpu" in ray_c["resources"]["limits"]
+    assert "readinessProbe" in ray_c and "livenessProbe" in ray_c
+    # KubeRay's own groups get theirs from the operator, not from the chart
+    for group in by_kind(docs, "RayCluster")[0]["spec"]["workerGroupSpecs"]:
+        assert "shareProcessNamespace" not in group["template"]["spec"]
