@@ -56,7 +56,7 @@ def _progress_bar(label: str):
 
 
 def _cmd_pull(args) -> int:
-    from specd.workers.models.loader import ensure_target_model
+    from specd.workers.models.loader import ensure_target_model, is_converted, named_model_dir
     from specd.workers.models.targets import get_target, part_files
 
     try:
@@ -84,6 +84,14 @@ def _cmd_pull(args) -> int:
         print(f"specd models: `specd serve target.model={target.name}` assembles and de-quantizes it on "
               f"first start (or `specd models pull {target.name} --convert` now)", file=sys.stderr)
         return 0
+    cached = named_model_dir(target.name, args.cache_dir)
+    if is_converted(cached):
+        print(f"specd models: {target.name} is cached already in {cached}", file=sys.stderr)
+        return 0
+    # transformers shows its own bar while de-quantizing; the save after it is silent for a while
+    print(f"specd models: assembling {target.name}, checking its size and SHA-256, then de-quantizing it to "
+          "float32 into the cache (the 1.5B: about 2 minutes on 2 cores, 7 GB of disk)", file=sys.stderr,
+          flush=True)
     t0 = time.perf_counter()
     try:
         model_dir = ensure_target_model(None, args.cache_dir, target.name,

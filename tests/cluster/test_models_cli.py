@@ -97,6 +97,8 @@ def test_pull_convert_builds_the_cache_and_reports_a_refusal_in_one_line(site, t
     assert main(["models", "pull", TEST_TARGET, "--convert", "--cache-dir", str(cache)]) == 0
     assert (cache / "models" / "Tiny-Test-Llama" / DONE_MARKER).is_file()
     assert "ready in" in capsys.readouterr().err
+    assert main(["models", "pull", TEST_TARGET, "--convert", "--cache-dir", str(cache)]) == 0
+    assert "cached already" in capsys.readouterr().err
 
 
 @pytest.mark.slow        # runs bash and Python

@@ -169,6 +169,14 @@ def test_a_named_target_is_converted_once_and_reused(site, tmp_path, monkeypatch
     # a worker handed the router's scoped cache (scoped_cache_dir) finds the same directory
     scoped = scoped_cache_dir(str(cache), None, model_dir, TEST_TARGET)
     assert ensure_target_model(None, scoped, TEST_TARGET) == model_dir
+    # so does the TargetWorker the router builds from target.model and that scoped cache, and runs it
+    from specd.configs.schema import TargetConfig
+    from specd.workers.engine.target_worker import TargetWorker
+
+    worker = TargetWorker(TargetConfig(model=TEST_TARGET, max_slots=1, max_seq_len=32,
+                                       keep_freed_memory=False), cache_dir=scoped)
+    info = worker.info()
+    assert (info["model"], info["vocab_size"], info["model_dir"]) == ("Tiny-Test-Llama", 64, str(model_dir))
 
 
 def test_a_refused_target_leaves_no_cache_and_the_right_parts_then_work(site, tmp_path, monkeypatch,
