@@ -219,7 +219,6 @@ def _ratio(part: int, whole: int) -> float:
 
 def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> str:
     """The drafter both runs start from: the quick one (built when missing) or the bootstrapped one."""
-    from specd.cluster.first_start import quick_drafter_dirs
     from specd.workers.drafters.model import default_drafter_dir
 
     if from_offline:
@@ -229,15 +228,9 @@ def start_drafter(from_offline: bool, cache_dir: str | None, model_dir: str) -> 
                 f"--from-offline: no bootstrapped drafter at {path} (run specd bootstrap-drafter)"
             )
         return str(path)
-    from specd.cluster.first_start import ensure_serving_drafter
-    from specd.configs import load_config
+    from specd.cluster.first_start import build_quick_drafter
 
-    cfg = load_config([f"cache_dir={cache_dir}"] if cache_dir else [])
-    hidden = quick_drafter_dirs(cache_dir)[1]
-    if not (hidden / "config.json").exists():
-        cfg.drafter.path = None
-        ensure_serving_drafter(cfg, model_dir)
-    return str(hidden)
+    return str(build_quick_drafter(cache_dir, model_dir))
 
 
 def wait_for_trainer(store: Path, timeout_s: float = 600) -> None:

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import distributions
 
+from specd.cluster.console import quiet_native_libraries
+
 COMMAND_GROUP = "specd.commands"
 # cluster's own command modules, in the order `specd --help` lists them (before the entry points).
 _CLUSTER_COMMANDS = (
@@ -49,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["serve"] and "--verbose" not in words and "server.verbose=true" not in words:
+        # before any command module imports grpc or tqdm: they read these once (cluster/console.py)
+        quiet_native_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -22,6 +22,7 @@ class OnlineParts:
     writer: Any = None
     recorder: Any = None
     trainer: Any = None            # Ray actor handle of specd.cluster.trainer_actor.TrainerActor
+    trainer_wanted: bool = False   # config asks for the trainer: follow_trainer starts it
     drafters: list = field(default_factory=list)   # DrafterHandles of the DraftWorkers following the store
     store: dict | str | None = None    # where DraftWorkers follow versions (versions_spec)
     cfg: Any = None
@@ -70,7 +71,6 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
     from specd.cluster.redis_server import versions_spec
     from specd.cluster.replay import ReplayRecorder
     from specd.cluster.replay_writer import ReplayWriter
-    from specd.cluster.trainer_actor import start_trainer_actor
     from specd.workers.drafters.versions import target_checksum
 
     parts = OnlineParts(cfg=cfg)
@@ -95,7 +95,9 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
         log.warning("trainer off: drafter.kind=%s has no model drafter to train (use model, hybrid, or "
                     "suffix with drafter.suffix_with_model=true)", cfg.drafter.kind)
         return parts
-    parts.trainer = start_trainer_actor(cfg, endpoint)
+    # The actor starts in follow_trainer, beside serving: its start-up (the target's teacher loaded, the
+    # trainer built) would otherwise share the cores with the workers' warm-up, before SERVING.
+    parts.trainer_wanted = True
     parts.store = versions_spec(cfg, endpoint)
     from ray.actor import ActorHandle
 
@@ -107,16 +109,18 @@ def start_online(cfg, model_dir: str, drafters: list, registry: CollectorRegistr
 
 
 async def follow_trainer(parts: OnlineParts, model_dir: str, version_pin: str | None = None) -> None:
-    """Once the trainer is up (it publishes the serving drafter as the store's first version when the
-    store is empty), point the DraftWorkers at its store. Runs beside serving, never before it.
+    """Start the trainer, and once it is up (it publishes the serving drafter as the store's first version
+    when the store is empty), point the DraftWorkers at its store. Runs beside serving, never before it.
     version_pin (drafter.version_pin): serve that version of the store instead of its CURRENT."""
-    if parts.trainer is None:
+    if not parts.trainer_wanted:
         return
     import asyncio
 
-    from specd.cluster.trainer_actor import ensure_current_trainer
+    from specd.cluster.trainer_actor import ensure_current_trainer, start_trainer_actor
 
     try:
+        if parts.trainer is None:
+            parts.trainer = await asyncio.to_thread(start_trainer_actor, parts.cfg, parts.endpoint)
         parts.trainer = await asyncio.to_thread(ensure_current_trainer, parts.trainer, parts.cfg,
                                                 parts.endpoint)
         await parts.trainer.stats.remote()

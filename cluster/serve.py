@@ -18,10 +18,12 @@ import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from specd.cluster import console
+from specd.cluster.console import phase
 from specd.configs.schema import SpecdConfig
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.types import NewRequest, SpecParams
@@ -91,7 +93,7 @@ class SignalStop:
                 with contextlib.suppress(Exception):
                     self.before_hard_exit()
             os._exit(128 + sig)
-        log.info("%s: shutting down gracefully (a second signal exits at once)", signal.Signals(sig).name)
+        phase("%s: stopping gracefully (a second signal exits at once)", signal.Signals(sig).name)
         self.stop.set()
 
 
@@ -141,14 +143,13 @@ async def _bring_up(
     from specd.cluster.validation import Bounds
     from specd.configs import flatten
 
-    t0 = time.perf_counter()
     security = ServerSecurity.from_config(cfg.server)
     core = ServingCore()           # the front ends' one serving core (cluster/serving.py)
     res.grpc = GrpcServer(SpecdServicer(core), cfg.server.host, cfg.server.port, security=security,
                           max_message_bytes=cfg.server.max_message_bytes,
                           health_port=cfg.server.health_port or None)
     await res.grpc.start()
-    log.info("gRPC on %s (NOT_SERVING while loading)", res.grpc.address)
+    phase("gRPC on %s (NOT_SERVING while loading)", res.grpc.address)
     if cfg.server.http_port is not None:
         from specd.cluster.http_api import HttpApi, HttpServer
 
@@ -157,7 +158,7 @@ async def _bring_up(
         res.http = HttpServer(api, cfg.server.host, cfg.server.http_port, cfg.server,
                               grace_s=cfg.server.shutdown_grace_s)
         await res.http.start()
-        log.info("HTTP (OpenAI-compatible) on %s (503 while loading)", res.http.url)
+        phase("HTTP (OpenAI-compatible) on %s (503 while loading)", res.http.url)
 
     if cfg.target.backend == "vllm":
         from specd.cluster.vllm_serve import bring_up_vllm
@@ -166,8 +167,7 @@ async def _bring_up(
     else:
         model_dir, codec, infos, capacity = await _start_workers(cfg, res, install_signals)
     info = infos[0]
-    log.info("workers up after %.1f s: %s on %d replica(s)", time.perf_counter() - t0, info["model"],
-             len(infos))
+    phase("workers up: %s on %d replica(s)", info["model"], len(infos))
 
     metrics = SpecdMetrics()
     metrics.server_insecure.set(1.0 if security.insecure else 0.0)
@@ -207,7 +207,7 @@ async def _bring_up(
     if cfg.server.warmup:
         await _warm_up(res.scheduler, codec, cfg, len(infos))
         await res.scheduler.reset_stats()
-        log.info("warm after %.1f s", time.perf_counter() - t0)
+        phase("warm")
 
     metrics_port = None
     if cfg.server.metrics_port:
@@ -248,18 +248,31 @@ async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
     """Ray, the target model (converted once), a drafter to serve with, and every replica's actors;
     returns (model dir, chat codec, each replica's target info, each replica's request capacity)."""
     from specd.cluster import actors
-    from specd.cluster.first_start import ensure_serving_drafter, publish_first_version
+    from specd.cluster.first_start import drafter_summary, ensure_serving_drafter, publish_first_version
     from specd.workers.models.chat import ChatCodec
-    from specd.workers.models.loader import ensure_target_model, load_tokenizer, scoped_cache_dir
+    from specd.workers.models.loader import (
+        ensure_target_model,
+        is_converted,
+        load_tokenizer,
+        named_model_dir,
+        scoped_cache_dir,
+    )
 
+    console.quiet_ray_logger(cfg.server.verbose)
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
+    console.route_actor_output(cfg.server.verbose)
+    if cfg.target.model_path is None and not is_converted(named_model_dir(cfg.target.model, cfg.cache_dir)):
+        phase("model: de-quantizing %s into the cache, once (about half a minute for the default on two "
+              "cores)", named_model_dir(cfg.target.model, cfg.cache_dir).name)
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir,
                                         cfg.target.model)
+    phase("model %s ready", model_dir.name)
     cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir,  # drafters per target
                                      cfg.target.model)
     codec = ChatCodec(await asyncio.to_thread(load_tokenizer, model_dir))
     await asyncio.to_thread(ensure_serving_drafter, cfg, str(model_dir))
+    phase("drafter %s", drafter_summary(cfg))
     versions = await asyncio.to_thread(publish_first_version, cfg, res, str(model_dir))
     res.cluster = await asyncio.to_thread(actors.create_cluster, cfg, str(model_dir), versions=versions)
     await res.cluster.placement_group.ready()
@@ -336,22 +349,28 @@ async def _shut_down(res: _Resources) -> None:
         import ray
 
         await asyncio.to_thread(ray.shutdown)
-    log.info("specd stopped")
+    phase("stopped")
 
 
 # ---- command line ------------------------------------------------------------------------------
 def _cmd_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from specd.cluster.redact import install_log_redaction
     from specd.configs import ConfigError
-
-    install_log_redaction()
 
     try:
         cfg = config_from_args(args)
     except ConfigError as err:
         print(f"specd serve: invalid config: {err}", file=sys.stderr)
         return 2
+    cfg.server.verbose = cfg.server.verbose or bool(getattr(args, "verbose", False))
+    if not cfg.server.verbose:
+        console.quiet_native_libraries()
+    log_file = None if getattr(args, "check", False) else (
+        Path(args.log_file) if getattr(args, "log_file", None) else console.default_log_file(cfg.cache_dir))
+    console.setup(cfg.server.verbose, log_file)
+    install_log_redaction()
+    if log_file is not None and not cfg.server.verbose:
+        phase("log file %s (--verbose shows it here)", log_file)
     if getattr(args, "check", False):
         http = cfg.server.http_port if cfg.server.http_port is not None else "off"
         print(f"specd serve: config OK ({cfg.name}: {cfg.target.backend} target on {cfg.target.device}, "
@@ -397,13 +416,22 @@ def add_cli(subparsers) -> None:
     add_config_options(p)
     p.add_argument("--check", action="store_true",
                    help="validate the configuration (schema, ranges, groups) and exit: 0 = it would start")
+    add_console_options(p)
     p.set_defaults(func=_cmd_serve)
+
+
+def add_console_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="every log record on the console (Ray's, gRPC's, the actors'): server.verbose=true")
+    p.add_argument("--log-file", default=None,
+                   help="where every record goes at INFO (default: <cache>/logs/serve-<time>-<pid>.log)")
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m specd.cluster.serve [overrides]`: `specd serve` (benchmarks start it this way)."""
     parser = argparse.ArgumentParser(prog="python -m specd.cluster.serve")
     add_config_options(parser)
+    add_console_options(parser)
     return _cmd_serve(parser.parse_args(argv))
 
 

@@ -178,13 +178,11 @@ class TrainerActor:
         self._thread = threading.Thread(target=run_loop, args=(self.trainer, self._stop, self.health),
                                         name="specd-trainer", daemon=True)
         self._thread.start()
+        self._restarted = _was_restarted()     # a restart runs __init__ again: read once per life
 
     def stats(self) -> dict:
         """The trainer's figures, its loop's health, and whether Ray restarted this actor."""
-        import ray
-
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        return {**self.trainer.stats.as_dict(), **asdict(self.health), "restarted": restarted,
+        return {**self.trainer.stats.as_dict(), **asdict(self.health), "restarted": self._restarted,
                 "pid": os.getpid(), "alive": self._thread.is_alive(), "store": str(self.trainer.store.root)}
 
     def settings(self) -> str:
@@ -194,6 +192,16 @@ class TrainerActor:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def _was_restarted() -> bool:
+    """Whether Ray has restarted this actor: the GCS record RuntimeContext.was_current_actor_reconstructed
+    reads, without that property's deprecated actor_id (a RayDeprecationWarning on every call)."""
+    import ray
+    from ray._private.state import actors
+
+    info = actors(actor_id=ray.get_runtime_context().get_actor_id())
+    return bool(info) and info.get("NumRestarts", 0) != 0
 
 
 def trainer_settings(cfg) -> str:

@@ -40,7 +40,7 @@ async def bring_up_vllm(cfg, res, install_signals):
     serve._start_workers; the actors are the scheduler's to close."""
     import ray
 
-    from specd.cluster import actors
+    from specd.cluster import actors, console
     from specd.workers.engine.vllm_engine import vllm_missing
     from specd.workers.models.chat import ChatCodec
     from specd.workers.models.loader import ensure_target_model, load_tokenizer, scoped_cache_dir
@@ -54,8 +54,10 @@ async def bring_up_vllm(cfg, res, install_signals):
         log.warning("target.vllm_speculation=vllm-draft-model on a CPU: vLLM's eager draft_model path "
                     "measured slower than vLLM alone and than specd's proposer there (docs/benchmarks.md); "
                     "it is meant for GPUs")
+    console.quiet_ray_logger(cfg.server.verbose)
     res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
     install_signals()
+    console.route_actor_output(cfg.server.verbose)
     model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir,
                                         cfg.target.model)
     cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir,  # drafters per target

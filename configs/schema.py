@@ -238,6 +238,9 @@ class ServerConfig:
     # /health), with the gRPC port's tokens and TLS; 0 = pick a free port; null = off
     http_port: int | None = 8000
     warmup: bool = True                 # short requests on every replica (compiles, captures) before SERVING
+    # `specd serve`'s console: false = one line per start-up phase and specd's warnings, everything else in
+    # the log file; true = every record (Ray's, gRPC's, the actors') on the console too (--verbose)
+    verbose: bool = False
     # SIGTERM/SIGINT: health NOT_SERVING at once, new requests refused, in-flight ones get this long to
     # finish before they are cancelled; a second signal exits at once
     shutdown_grace_s: float = 10.0

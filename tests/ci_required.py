@@ -40,6 +40,25 @@ SLOW_FIXTURES = frozenset({"target_model_dir", "real_target_dir", "boot_drafter_
                            "ray_for_serving", "redis_server", "redis_with_password"})
 
 
+# What a library does once per home, the first time it runs there, done at the session's start so that
+# no test's phase starts it: matplotlib builds its font cache with `fc-list` under a new $HOME (a test
+# that plots failed the guard below on a machine that had never run matplotlib, and passed on one that
+# had). SKIP_FIRST_USES_ENV set: not done (tests/test_fresh_home.py's control).
+SKIP_FIRST_USES_ENV = "SPECD_TEST_SKIP_FIRST_USES"
+
+
+def pytest_sessionstart(session) -> None:
+    if os.environ.get(SKIP_FIRST_USES_ENV):
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.font_manager  # noqa: F401 (its import builds or reads the font cache)
+    except ImportError:
+        return
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 

@@ -20,6 +20,7 @@ from tests.ci_required import (  # noqa: F401 (pytest hooks: found by name in th
     pytest_runtest_call,
     pytest_runtest_makereport,
     pytest_runtest_setup,
+    pytest_sessionstart,
 )
 
 # Two cores shared by everything on this machine; more threads only add contention.

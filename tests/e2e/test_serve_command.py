@@ -1,11 +1,13 @@
 """`specd serve` as a user first runs it: a subprocess, its embedded default configuration, an empty
 cache.
 
-From an empty SPECD_CACHE the command converts the target from the model package, builds the quick
-drafter (no bootstrapped one exists), starts its own Redis for the replay buffer, the trainer, Ray
-actors and the router, goes from NOT_SERVING to SERVING, and streams an answer that equals the
-target-only answer to the same prompt. SIGINT then shuts it down cleanly. The other e2e modules run the
-server in-process; this one runs the command.
+From an empty SPECD_CACHE the command converts the target from the model package, builds the seed
+drafter (no trained one exists), starts its own Redis for the replay buffer, the trainer, Ray actors and
+the router, goes from NOT_SERVING to SERVING, and streams an answer that equals the target-only answer to
+the same prompt. SIGINT then shuts it down cleanly. Its console, stdout and stderr together as a user
+sees them, holds only specd's own lines (one per start-up phase, in order; no gRPC fork notice, no Ray
+warning, no progress bar of a library), and the log file it names holds the rest. The other e2e modules
+run the server in-process; this one runs the command.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,9 +28,12 @@ from specd.cluster.client import SpecdClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-# Converting the model (~30 s) and building the quick drafter (a couple of minutes on 2 cores) come
-# first; a loaded CI machine gets three times that.
+# Converting the model (~30 s) and building the seed drafter (seconds) come first; a loaded CI machine
+# gets several times that.
 STARTUP_S = 900
+# the start-up phases' lines, in the order they come (cluster/console.py)
+PHASES = ["log file", "gRPC on", "HTTP (OpenAI-compatible) on", "model: de-quantizing", "model SmolLM2",
+          "drafter suffix with model drafter seed-", "workers up", "warm"]
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
@@ -60,10 +66,12 @@ def test_first_start_from_an_empty_cache_serves_the_default_and_stops_on_sigint(
     # embedded default.
     cmd = [sys.executable, "-m", "specd.cluster.cli", "serve", "server.port=0", "server.http_port=0",
            "server.metrics_port=0"]
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    env.pop("GRPC_VERBOSITY", None)
+    env.pop("TQDM_DISABLE", None)
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
     log: list[str] = []
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -85,7 +93,27 @@ def test_first_start_from_an_empty_cache_serves_the_default_and_stops_on_sigint(
         assert "suffix" in text and "goodput" in text, text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0, "".join(log[-40:])
+        while (line := lines.get(timeout=10)) is not None:
+            log.append(line)
+        _console_is_specds_own(log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _console_is_specds_own(log: list[str]) -> None:
+    """Every line the command printed is specd's: "specd: <phase> (N s)", "specd serving ...", or a
+    warning of specd's own ("specd warning: ..."); the phases come in order; the log file exists and
+    holds what the console left out (Ray's start, at least)."""
+    lines = [line.rstrip("\n") for line in log if line.strip()]
+    own = ("specd: ", "specd serving ", "specd warning: ")
+    foreign = [line for line in lines if not line.startswith(own)]
+    assert not foreign, "lines that are not specd's own:\n" + "\n".join(foreign[:20])
+    phases = [line.removeprefix("specd: ") for line in lines if line.startswith("specd: ")]
+    at = [next((i for i, p in enumerate(phases) if p.startswith(want)), None) for want in PHASES]
+    assert None not in at and at == sorted(at), (PHASES, phases)
+    assert any(p.startswith("SIGINT: stopping") for p in phases) and phases[-1].startswith("stopped"), phases
+    log_file = phases[0].removeprefix("log file ").split(" ")[0]
+    text = Path(log_file).read_text()
+    assert "Started a local Ray instance" in text and "specd.phase" in text
