@@ -23,7 +23,7 @@ def restore_root():
         root.addHandler(handler)
     root.setLevel(saved[1])
     logging.captureWarnings(False)
-    from transformers.utils import logging as hf_logging    # quiet setup turned its handler and bars off
+    from transformers.utils import logging as hf_logging  # quiet setup turned its handler and bars off
 
     hf_logging.enable_default_handler()
     hf_logging.disable_propagation()
