@@ -259,14 +259,20 @@ async def _start_workers(cfg: SpecdConfig, res: _Resources, install_signals):
     )
 
     console.quiet_ray_logger(cfg.server.verbose)
-    res.started_ray = await asyncio.to_thread(actors.init_ray, cfg)
+    # Ray starts while the target is found or converted: neither needs the other, and Ray's start is
+    # mostly waiting for its processes
+    ray_up = asyncio.create_task(asyncio.to_thread(actors.init_ray, cfg))
+    try:
+        named = named_model_dir(cfg.target.model, cfg.cache_dir)
+        if cfg.target.model_path is None and not is_converted(named):
+            phase("model: de-quantizing %s into the cache, once (about half a minute for the default, "
+                  "minutes for a 1.5B, on two cores)", named.name)
+        model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir,
+                                            cfg.target.model)
+    finally:
+        res.started_ray = await ray_up     # also when the model failed: shutdown then stops Ray
     install_signals()       # ray.init puts its own SIGTERM handler in place; ours must win
     console.route_actor_output(cfg.server.verbose)
-    if cfg.target.model_path is None and not is_converted(named_model_dir(cfg.target.model, cfg.cache_dir)):
-        phase("model: de-quantizing %s into the cache, once (about half a minute for the default on two "
-              "cores)", named_model_dir(cfg.target.model, cfg.cache_dir).name)
-    model_dir = await asyncio.to_thread(ensure_target_model, cfg.target.model_path, cfg.cache_dir,
-                                        cfg.target.model)
     phase("model %s ready", model_dir.name)
     cfg.cache_dir = scoped_cache_dir(cfg.cache_dir, cfg.target.model_path, model_dir,  # drafters per target
                                      cfg.target.model)
