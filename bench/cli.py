@@ -21,6 +21,7 @@ BENCHMARKS = {
     "overhead": ("specd.bench.overhead", "host time of a step, free forwards: planning, bookkeeping, verify"),
     "frontends": ("specd.bench.frontends", "a streamed token's latency: OpenAI-compatible HTTP vs gRPC"),
     "soak": ("specd.bench.soak", "long run: N streaming clients for D minutes, errors, RSS, TPOT"),
+    "first-start": ("specd.bench.first_start", "specd serve from an empty cache, timed phase by phase"),
 }
 
 
