@@ -10,7 +10,9 @@ What Kubernetes isolates, the pods here isolate too (`unshare`, `nsenter`; root 
   enters. A process sees only its namespace's processes (/proc is mounted for it): a Ray driver finds
   its node's raylet by its process, so this is what decides whether a router can join its node.
 - mounts: each namespace has its own mount view: the pod's own tmp directory on /tmp (the emptyDir
-  its containers share), a tmpfs of the pod's size on /dev/shm (a Memory emptyDir there, else a
+  its containers share), its home and cache directories at the paths the spec mounts them
+  (/home/specd, /var/cache/specd: a path the router hands its actors in their config names each pod's
+  own, as in Kubernetes), a tmpfs of the pod's size on /dev/shm (a Memory emptyDir there, else a
   container runtime's 64 MB default), and every other pod's directory covered by an empty tmpfs.
 - network: not isolated. A network namespace of its own has only its own loopback; pods reaching each
   other would need a bridge, a veth pair and an address per pod, created and removed as root on a
@@ -115,6 +117,9 @@ class Pod:
     share_processes: bool = False       # the rendered spec's shareProcessNamespace
     shm: str = RUNTIME_SHM              # the size of its /dev/shm (tmpfs size=)
     hidden: list[Path] = field(default_factory=list)     # other pods' directories, covered in its view
+    # mount path -> the pod's directory of that name; their parents are covered by a tmpfs in the pod's
+    # view (nothing is made on the host), so only paths below /home or /var/cache
+    volumes: dict[str, str] = field(default_factory=dict)
     _pause: subprocess.Popen | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
     _dirs: set[Path] = field(default_factory=set)      # the pod's mounts: there again after a restart
@@ -129,6 +134,11 @@ class Pod:
         """Shell commands, run in a new mount namespace, that give it the pod's view."""
         tmp, work = self.path("tmp"), self.path("work")
         cmds = [f"mount --bind {tmp} /tmp", f"mount -t tmpfs -o size={self.shm} shm /dev/shm"]
+        parents = sorted({str(Path(target).parent) for target in self.volumes})
+        assert set(parents) <= {"/home", "/var/cache"}, parents
+        cmds += [f"mount -t tmpfs -o size=1m volumes {parent}" for parent in parents]
+        for target, name in sorted(self.volumes.items()):
+            cmds += [f"mkdir -p {target}", f"mount --bind {self.path(name)} {target}"]
         cmds += [f"mount -t tmpfs -o size=1m hidden {d}" for d in self.hidden if d.is_dir()]
         assert not any(work.is_relative_to(d) for d in self.hidden)
         return " && ".join(cmds)
@@ -165,6 +175,7 @@ class Pod:
         return [p for p in self.processes() if _environ(p).get(CONTAINER_MARKER) == f"{self.uid}/{c.name}"]
 
     def _supervise(self, c: Container) -> None:
+        crashes, started = 0, time.monotonic()
         while self.alive:
             if c.proc is not None and c.proc.poll() is not None and self.alive:
                 # the runtime ends what is left of an exited container (in a pod's shared namespace
@@ -172,9 +183,15 @@ class Pod:
                 for p in self._container_processes(c):
                     with contextlib.suppress(psutil.Error):
                         p.kill()
-                time.sleep(1.0)                              # the kubelet's back-off, shortened
+                # the kubelet's back-off, shortened (10 s doubling to 300 s there): growing, and apart
+                # for each container. Restarted in step, the Ray nodes of every pod on this 2-core
+                # machine crashed together again and again (a raylet gives up on an agent that has
+                # not started within about 15 s)
+                crashes = 0 if time.monotonic() - started > 60 else crashes + 1
+                time.sleep(min(16.0, 2.0 ** crashes) * random.uniform(0.5, 1.0))
                 if self.alive:
                     c.restarts += 1
+                    started = time.monotonic()
                     self._spawn(c)
             time.sleep(0.5)
 

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "specd"
 REDIS_ADDRESS = "rel-specd-redis.specd.svc:6379"   # the Redis Service's, as the chart renders it
 STORAGE_NAMESPACE = "rel-uid"           # the RayCluster's UID: KubeRay's GCS storage namespace
+WRITABLE = ("/home/specd", "/var/cache/specd")   # emptyDirs of every specd container, at their own paths
 _RAY_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
               "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
 
@@ -190,9 +191,11 @@ class Release:
             pod.hidden = [other.root for other in self.pods.values() if other is not pod]
 
     def env(self, container: dict, pod: Pod) -> dict[str, str]:
-        """The container's rendered env (Secret references resolved, Services' hostnames -> 127.0.0.1),
-        its mounts mapped to the pod's dirs."""
-        mounts = {"/home/specd": str(pod.path("home")), "/var/cache/specd": str(pod.path("cache"))}
+        """The container's rendered env (Secret references resolved, Services' hostnames -> 127.0.0.1);
+        its home and cache emptyDirs mounted where the spec mounts them (Pod.volumes)."""
+        for m in container.get("volumeMounts", []):
+            if m["mountPath"] in WRITABLE:
+                pod.volumes[m["mountPath"]] = m["name"]
         # HOSTNAME: the kubelet sets it to the pod's name in every container
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOSTNAME": pod.name,
                "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
@@ -201,8 +204,7 @@ class Release:
             env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "20"
         for e in container.get("env", []):
             if "value" in e:
-                value = mounts.get(e["value"], e["value"])
-                env[e["name"]] = value.replace(REDIS_ADDRESS, f"127.0.0.1:{self.redis_port}")
+                env[e["name"]] = e["value"].replace(REDIS_ADDRESS, f"127.0.0.1:{self.redis_port}")
             else:
                 ref = e["valueFrom"]["secretKeyRef"]
                 env[e["name"]] = secret_value(self.docs, ref["name"], ref["key"])

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow,         # processes in namespaces of their own, 
 
 # what each container prints of its view (once both of a pod's have started), then waits to be killed
 LOOK = ("sleep 1; echo pid=$$; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done;"
-        " ls /tmp; df -k /dev/shm | tail -1; ls {other}; touch /tmp/{name}; exec -a look-{name} sleep 300")
+        " ls /tmp; df -k /dev/shm | tail -1; ls {other}; ls /var/cache/specd; touch /tmp/{name};"
+        " exec -a look-{name} sleep 300")
 
 
 def run(root: Path, share: bool) -> tuple[dict[str, str], Pod, Pod]:
@@ -26,7 +27,8 @@ def run(root: Path, share: bool) -> tuple[dict[str, str], Pod, Pod]:
     a, b = pods
     a.shm = "100m"
     for pod in pods:
-        (pod.path("volume") / "mine").write_text(pod.name)
+        (pod.path("volume") / f"own-{pod.name}").write_text(pod.name)
+        pod.volumes = {"/var/cache/specd": "volume"}      # the spec's mount path: its own volume there
         other = b if pod is a else a
         pod.hidden = [other.root]
         for name in ("first", "second"):
@@ -57,7 +59,8 @@ def test_each_container_or_pod_sees_its_own(share: bool) -> None:
             other = "second" if key.endswith("/first") else "first"
             # the other container's process, before or after its exec
             assert (f"touch /tmp/{other}" in log or f"look-{other}" in log) == share, (key, log)
-            assert "mine" not in log, (key, log)                 # the other pod's volume is hidden
+            mine, theirs = ("a", "b") if key.startswith("a/") else ("b", "a")
+            assert f"own-{mine}" in log and f"own-{theirs}" not in log, (key, log)   # the other's is hidden
             size_kb = int(next(x for x in lines if x.startswith("shm")).split()[1])
             assert size_kb == (100 * 1024 if key.startswith("a/") else 64 * 1024), (key, size_kb)
         time.sleep(0.5)

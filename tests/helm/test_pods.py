@@ -130,8 +130,21 @@ def release(image):
     rel = Release(root / "rel", render(target, drafter, ports[0], TEST_CONFIG, ROUTERS), ports)
     try:
         t0 = time.monotonic()
-        for pod in rel.pods.values():
-            pod.start()
+        # Redis and the head first: KubeRay's worker pods wait for the GCS in an init container
+        # (wait-gcs-ready) before their `ray start`, and the routers' Ray nodes need it as much
+        first = ("redis", "head")
+        for name in first:
+            rel.pods[name].start()
+        for name in first:
+            wait_for(lambda n=name: rel.ready(n), 600, f"pod {name} ready", tail=rel.tail)
+        # then one Ray pod at a time: on 2 shared cores the Ray nodes of 7 pods started at once could not
+        # start their agents within the raylet's wait (about 15 s), and crashed together again and again
+        for name, pod in rel.pods.items():
+            if name not in first and name not in rel.routers:
+                pod.start()
+                wait_for(lambda n=name: rel.ready(n), 600, f"pod {name} ready", tail=rel.tail)
+        for name in rel.routers:
+            rel.pods[name].start()
         for name in rel.pods:
             wait_for(lambda n=name: rel.ready(n), 600, f"pod {name} ready", tail=rel.tail)
         shared = sorted(n for n, pod in rel.pods.items() if pod.share_processes)
