@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     if words[:1] == ["serve"] and "--verbose" not in words and "server.verbose=true" not in words:
-        # before any command module imports grpc or tqdm: they read these once (cluster/console.py)
+        # before any command module imports grpc: gRPC core reads these once (cluster/console.py)
         quiet_native_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)

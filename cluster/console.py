@@ -22,14 +22,11 @@ _started = time.monotonic()
 
 
 def quiet_native_libraries() -> None:
-    """For a quiet `specd serve`, before grpc and tqdm are imported (both read these once): gRPC core's
-    fork handlers (and their INFO notice at every fork while its threads run: Ray and redis-server start
-    as children) are off, and what gRPC core logs below ERROR is not printed; tqdm draws no bars (the
-    GGUF conversion's and Ray actors', which inherit the environment: the phase lines say what runs). A
-    value the user set wins."""
+    """For a quiet `specd serve`, before grpc is imported (gRPC core reads these once): its fork handlers
+    (and their INFO notice at every fork while its threads run: Ray and redis-server start as children)
+    are off, and what it logs below ERROR is not printed. A value the user set wins."""
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 class _Console(logging.Filter):
@@ -47,9 +44,7 @@ class _ConsoleFormat(logging.Formatter):
         if record.name == PHASE_LOGGER:
             return f"specd: {record.getMessage()}"
         text = f"specd {record.levelname.lower()}: {record.getMessage()}"
-        if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
-        return text
+        return text + " (the traceback is in the log file)" if record.exc_info else text
 
 
 def default_log_file(cache_dir: str | None) -> Path:
@@ -81,7 +76,21 @@ def setup(verbose: bool, log_file: Path | None) -> Path | None:
     logging.captureWarnings(True)       # warnings.warn of any library: a record of py.warnings
     if not verbose:
         _quiet_transformers()
+        _no_progress_bars()
     return log_file
+
+
+def _no_progress_bars() -> None:
+    """No tqdm bar in this process: transformers draws one for a GGUF conversion of seconds with plain
+    tqdm (its progress-bar switch does not reach it), and torch imports tqdm before any setting could be
+    read; the phase lines say what runs. Keyword defaults of every bar's __init__, subclasses included."""
+    from functools import partialmethod
+
+    import tqdm.std
+
+    if not getattr(tqdm.std.tqdm, "_specd_quiet", False):
+        tqdm.std.tqdm.__init__ = partialmethod(tqdm.std.tqdm.__init__, disable=True)
+        tqdm.std.tqdm._specd_quiet = True
 
 
 def _quiet_transformers() -> None:

@@ -383,7 +383,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"drafter {cfg.drafter.kind}, γ policy {cfg.spec.policy}, gRPC {cfg.server.host}:"
               f"{cfg.server.port}, HTTP {http})")
         return 0
-    return serve(cfg)
+    try:
+        return serve(cfg)
+    except Exception as exc:  # a failed bring-up: one line on the console, the traceback in the log file
+        log.error("could not start: %s", exc, exc_info=True)
+        return 1
 
 
 def config_from_args(args: argparse.Namespace) -> SpecdConfig:

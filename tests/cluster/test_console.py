@@ -13,9 +13,14 @@ from specd.cluster import console
 
 @pytest.fixture
 def restore_root():
+    import tqdm.std
+
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
+    bars = tqdm.std.tqdm.__dict__["__init__"]
     yield
+    tqdm.std.tqdm.__init__ = bars          # quiet setup turned every bar off
+    tqdm.std.tqdm._specd_quiet = False
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
@@ -35,7 +40,11 @@ def _emit() -> None:
     logging.getLogger("specd.cluster.serve").info("an INFO of specd's")
     logging.getLogger("specd.cluster.online").warning("a warning of specd's")
     logging.getLogger("ray._private.worker").warning("SIGTERM handler is not set")
-    logging.getLogger("transformers").error("a third-party error")
+    logging.getLogger("some.library").error("a third-party error")
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        logging.getLogger("specd.cluster.serve").exception("it failed")
 
 
 def _run(tmp_path, monkeypatch, verbose: bool) -> tuple[str, str]:
@@ -52,9 +61,10 @@ def test_quiet_console_shows_phases_and_specds_warnings_only(tmp_path, monkeypat
     shown, filed = _run(tmp_path, monkeypatch, verbose=False)
     lines = shown.splitlines()
     assert lines[0].startswith("specd: model M ready (") and lines[0].endswith(" s)")
-    assert lines[1:] == ["specd warning: a warning of specd's"]
+    assert lines[1:] == ["specd warning: a warning of specd's",
+                         "specd error: it failed (the traceback is in the log file)"]
     for text in ("model M ready", "an INFO of specd's", "a warning of specd's", "SIGTERM handler is not set",
-                 "a third-party error"):
+                 "a third-party error", "RuntimeError: boom"):
         assert text in filed
 
 

@@ -67,7 +67,6 @@ def test_first_start_from_an_empty_cache_serves_the_default_and_stops_on_sigint(
     cmd = [sys.executable, "-m", "specd.cluster.cli", "serve", "server.port=0", "server.http_port=0",
            "server.metrics_port=0"]
     env.pop("GRPC_VERBOSITY", None)
-    env.pop("TQDM_DISABLE", None)
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: queue.Queue = queue.Queue()
