@@ -218,15 +218,18 @@ class Pod:
         return [p for p in psutil.process_iter() if _environ(p).get(MARKER) == self.uid]
 
     def pid_namespaces(self) -> dict[str, set[str]]:
-        """Each container's processes' PID namespaces (as /proc/<pid>/ns/pid names them), not counting
-        unshare or nsenter, which stay in the host's."""
+        """The PID namespaces (as /proc/<pid>/ns/pid names them) of each container's main process and its
+        descendants (not of unshare or nsenter, which stay in the host's; found from the main process, as
+        redis-server's rewritten title hides the marker)."""
         out: dict[str, set[str]] = {}
         for c in self.containers:
-            for p in self._container_processes(c):
-                if c.proc is not None and p.pid == c.proc.pid:
-                    continue
-                with contextlib.suppress(OSError):
-                    out.setdefault(c.name, set()).add(os.readlink(f"/proc/{p.pid}/ns/pid"))
+            main = main_pid(c.proc)
+            if main is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                for p in [psutil.Process(main), *psutil.Process(main).children(recursive=True)]:
+                    with contextlib.suppress(OSError):
+                        out.setdefault(c.name, set()).add(os.readlink(f"/proc/{p.pid}/ns/pid"))
         return out
 
     def kill(self) -> None:

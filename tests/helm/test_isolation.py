@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.slow,         # processes in namespaces of their own, 
 
 # what each container prints of its view (once both of a pod's have started), then waits to be killed
 LOOK = ("sleep 1; echo pid=$$; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done;"
-        " ls /tmp; df -k /dev/shm | tail -1; ls {other}; ls /var/cache/specd; touch /tmp/{name};"
-        " exec -a look-{name} sleep 300")
+        " ls /tmp; df -k /dev/shm | tail -1; ls {other}; ls /var/cache/specd; echo end-of-look;"
+        " touch /tmp/{name}; exec -a look-{name} sleep 300")
 
 
 def run(root: Path, share: bool) -> tuple[dict[str, str], Pod, Pod]:
@@ -40,7 +40,7 @@ def run(root: Path, share: bool) -> tuple[dict[str, str], Pod, Pod]:
     for pod in pods:
         for c in pod.containers:
             path = pod.root / "logs" / f"{c.name}.log"
-            wait_for(lambda p=path: p.exists() and "shm" in p.read_text(), 30, f"{pod.name}/{c.name}")
+            wait_for(lambda p=path: p.exists() and "end-of-look" in p.read_text(), 30, f"{pod.name}/{c.name}")
             logs[f"{pod.name}/{c.name}"] = path.read_text()
     return logs, a, b
 
