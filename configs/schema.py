@@ -200,6 +200,9 @@ class SpecConfig:
     # target.backend=vllm, vLLM's steps with 0, 1, 2, γ/2 and γ drafts per row, up to target.max_slots
     # rows); measured steps correct the nearest one (without 8, batch-8 steps corrected the batch-4 row)
     goodput_profile_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    # goodput: seconds the start-up sweep may take; the smallest batch size is always swept, a larger one
+    # only where the sweep so far and its estimate fit (a 1.5B target's full sweep takes minutes on a CPU)
+    goodput_profile_budget_s: float = 60.0
     # goodput: acceptance per position assumed before any is measured; None: the drafter's held-out
     # acceptance from its training record, 0.6 where it has none
     goodput_prior: float | None = None

@@ -92,8 +92,10 @@ class TargetHandle(_Handle):
     async def verify(self, drafts: list[Draft], return_hidden: bool = False) -> list[VerifyResult]:
         return await self._call("verify", drafts, return_hidden=return_hidden)
 
-    async def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict:
-        return await self._call("profile_verify", batch_sizes=batch_sizes, max_tokens=max_tokens)
+    async def profile_verify(self, batch_sizes: list[int], max_tokens: int,
+                             budget_s: float | None = None) -> dict:
+        return await self._call("profile_verify", batch_sizes=batch_sizes, max_tokens=max_tokens,
+                                budget_s=budget_s)
 
 
 class DrafterHandle(_Handle):

@@ -162,7 +162,7 @@ class SpeculationPlanner:
         if self.spec is None or self.spec.policy != GoodputGamma.name:
             return None
         return {"batch_sizes": list(self.spec.goodput_profile_batch_sizes),
-                "max_tokens": 1 + max(self.spec.gamma_max, 1)}
+                "max_tokens": 1 + max(self.spec.gamma_max, 1), "budget_s": self.spec.goodput_profile_budget_s}
 
     def set_cost_profile(self, verify: dict[int, list[float]], draft: dict[int, float],
                          pad_weight: float = 1.0, ragged: dict[int, float] | None = None,

@@ -43,23 +43,36 @@ def profile_verify(
     max_tokens: int = 9,
     prompt_len: int = 64,
     repeats: int = 2,
+    budget_s: float | None = None,
 ) -> dict:
     """{"verify": {b: [seconds of a forward over b rows of n tokens, n = 1..max_tokens]}, "pad_weight": w,
-    "ragged": {b: seconds}} on the runner's device; a ragged batch costs ragged[b] plus the uniform one of
-    n = mean + w · (longest − mean) tokens per row (w = 1: every row padded to the longest; 0: only real
-    tokens cost).
+    "ragged": {b: seconds}, "skipped": [b]} on the runner's device; a ragged batch costs ragged[b] plus the
+    uniform one of n = mean + w · (longest − mean) tokens per row (w = 1: every row padded to the longest;
+    0: only real tokens cost).
 
     Uses free KV slots of the runner and frees them again; batch sizes above the free slots are skipped.
+    budget_s: the smallest batch size is always swept; a larger one only while the sweep so far plus its
+    estimate (its forwards priced from the last size swept, in proportion to rows: an upper bound where a
+    batch is cheaper per row) fits in it. A large target on a CPU takes minutes for the full sweep, and
+    the cost model extends its table past the sizes measured.
     """
     table: dict[int, list[float]] = {}
     weights: list[float] = []
     ragged_fixed: dict[int, float] = {}
+    skipped: list[int] = []
     measured_n = sorted({n for n in PROFILE_TOKENS if n < max_tokens} | {max_tokens})
     # a short context (max_seq_len) gets a shorter profile prompt rather than a full cache
     prompt_len = max(1, min(prompt_len, runner.max_seq_len - max_tokens))
+    t0 = time.perf_counter()
     for b in sorted(set(batch_sizes)):
         if b > runner.num_free:
             continue
+        if budget_s is not None and table:
+            last = max(table)
+            estimate = _sweep_forwards(measured_n, repeats, b > 1) * statistics.mean(table[last]) * b / last
+            if time.perf_counter() - t0 + estimate > budget_s:
+                skipped.extend(x for x in sorted(set(batch_sizes)) if x >= b and x <= runner.num_free)
+                break
         slots = [runner.allocate() for _ in range(b)]
         try:
             runner.prefill(slots, [[1] * prompt_len for _ in slots])
@@ -87,7 +100,15 @@ def profile_verify(
     if not table:
         raise ValueError(f"no batch size of {list(batch_sizes)} fits the runner's free slots")
     pad_weight = statistics.median(weights) if weights else 1.0
-    return {"verify": table, "pad_weight": pad_weight, "ragged": ragged_fixed}
+    return {"verify": table, "pad_weight": pad_weight, "ragged": ragged_fixed, "skipped": skipped}
+
+
+def _sweep_forwards(measured_n: Sequence[int], repeats: int, ragged: bool) -> int:
+    """Forwards one batch size's sweep runs: each measured n (a warm-up and `repeats`), the paired
+    two-token price, and for several rows the two ragged shapes (each a warm-up and its pairs); the
+    prefill is counted as one more."""
+    pairs = 1 + 2 * RAGGED_PAIRS
+    return 1 + len(measured_n) * (1 + repeats) + pairs + (2 * pairs if ragged else 0)
 
 
 def _pad_weight(row: list[float], ragged_seconds: float, b: int, longest: int) -> float:

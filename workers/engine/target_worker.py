@@ -177,11 +177,11 @@ class TargetWorker:
             if run is not None:
                 self.runner.free(run.slot)
 
-    def profile_verify(self, batch_sizes: list[int], max_tokens: int) -> dict:
+    def profile_verify(self, batch_sizes: list[int], max_tokens: int, budget_s: float | None = None) -> dict:
         """Timed verify-shaped forwards for the goodput controller's cost model (see engine/profile.py):
-        {"verify": {b: seconds per n}, "pad_weight": w, "ragged": {b: seconds}}."""
+        {"verify": {b: seconds per n}, "pad_weight": w, "ragged": {b: seconds}, "skipped": [b]}."""
         t0 = time.perf_counter()
-        table = profile_verify(self.runner, batch_sizes=batch_sizes, max_tokens=max_tokens)
+        table = profile_verify(self.runner, batch_sizes=batch_sizes, max_tokens=max_tokens, budget_s=budget_s)
         self._busy += time.perf_counter() - t0
         return table
 

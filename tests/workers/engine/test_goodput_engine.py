@@ -55,6 +55,7 @@ def test_greedy_output_equals_target_only(cfg, target, kind, spec):
 
 def test_cost_profile_is_measured_and_followed(cfg, target):
     cfg.drafter.kind = "model"
+    cfg.spec.goodput_profile_budget_s = 1e6      # every size: a loaded machine's sweep is not the point here
     drafter = DraftWorker(cfg.drafter, cfg.spec, str(target.model_dir))
     engine = SpecEngine(target, drafter)
     costs = engine.step.planner.costs
@@ -235,3 +236,55 @@ def test_estimates_start_from_the_drafters_held_out_acceptance(cfg, tiny_drafter
     record["train"] = {}
     meta.write_text(json.dumps(record))
     assert planner(worker()).positions[True].alpha()[0] == DEFAULT_PRIOR
+
+
+class _CountingRunner:
+    """A runner stand-in whose forwards take `per_row` seconds a row (time advances by a fake clock)."""
+
+    def __init__(self, per_row: float, clock: list[float], slots: int = 16):
+        self.per_row, self.clock, self.num_free, self.max_seq_len = per_row, clock, slots, 256
+        self.rows_seen: set[int] = set()
+        self._lengths: dict[int, int] = {}
+        self._next = 0
+
+    def allocate(self) -> int:
+        self._next += 1
+        self._lengths[self._next] = 0
+        return self._next
+
+    def free(self, slot: int) -> None:
+        self._lengths.pop(slot, None)
+
+    def prefill(self, slots, prompts) -> None:
+        self.clock[0] += self.per_row * len(slots)
+
+    def extend(self, slots, tokens) -> None:
+        self.rows_seen.add(len(slots))
+        self.clock[0] += self.per_row * len(slots)
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def rollback(self, slot: int, length: int) -> None:
+        self._lengths[slot] = length
+
+
+def test_the_sweep_keeps_to_its_budget(monkeypatch) -> None:
+    """A batch size whose estimated sweep would pass the budget is not swept, nor any larger one; the
+    smallest always is, and with no budget every size that fits is."""
+    from specd.workers.engine import profile
+
+    clock = [0.0]
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
+    runner = _CountingRunner(per_row=0.5, clock=clock)
+    out = profile.profile_verify(runner, batch_sizes=[1, 4, 16], max_tokens=5, budget_s=60.0)
+    # batch 1: 1 + 4 × 3 + 13 = 26 forwards × 0.5 s = 13 s; batch 4's estimate 1 + 12 + 13 + 26 = 52
+    # forwards × 2 s: past 60 s
+    assert list(out["verify"]) == [1] and out["skipped"] == [4, 16] and runner.rows_seen == {1}
+    clock[0] = 0.0
+    out = profile.profile_verify(_CountingRunner(per_row=0.01, clock=clock), batch_sizes=[1, 4, 16],
+                                 max_tokens=5, budget_s=60.0)
+    assert list(out["verify"]) == [1, 4, 16] and out["skipped"] == []
+    out = profile.profile_verify(_CountingRunner(per_row=0.5, clock=clock), batch_sizes=[1, 4, 16],
+                                 max_tokens=5)
+    assert list(out["verify"]) == [1, 4, 16]

@@ -163,7 +163,7 @@ def test_cost_profile_request_and_profile() -> None:
     assert SpeculationPlanner(SpecConfig(policy="fixed")).cost_profile_request() is None
     spec = SpecConfig(policy="goodput", gamma_max=4, goodput_profile_batch_sizes=[1, 4])
     planner = SpeculationPlanner(spec)
-    assert planner.cost_profile_request() == {"batch_sizes": [1, 4], "max_tokens": 5}
+    assert planner.cost_profile_request() == {"batch_sizes": [1, 4], "max_tokens": 5, "budget_s": 60.0}
     planner.set_cost_profile({1: [0.01] * 5, 4: [0.02] * 5}, {1: 0.001, 4: 0.002}, catch_up=0.0001)
     assert planner.controller.costs is planner.costs and planner.costs.profile == CostProfile(
         verify={1: [0.01] * 5, 4: [0.02] * 5}, draft={1: 0.001, 4: 0.002}, catch_up=0.0001)
