@@ -28,7 +28,7 @@ from specd.configs.schema import SpecdConfig
 from specd.workers.core.sampling import SamplingParams
 from specd.workers.engine.types import NewRequest, SpecParams
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("specd.cluster.serve")   # also when run as __main__ (python -m)
 WORKER_STATS_PERIOD_S = 10.0
 
 
