@@ -14,8 +14,6 @@ operator would write:
 - BuildPod: `ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; <ray start ...>`;
 - initLivenessAndReadinessProbe: from Ray 2.53 an HTTP GET of /api/healthz on the dashboard agent's
   listen port (before it, `wget` commands);
-- addEmptyDir: the Ray container's /dev/shm, a memory emptyDir ("shared-mem") as large as its memory
-  request (else limit), unless it mounts something there;
 - configureGCSFaultTolerance / configureRedisFT: with spec.gcsFaultToleranceOptions, the head container
   gets RAY_external_storage_namespace, RAY_REDIS_ADDRESS and REDIS_PASSWORD (and --redis-password=
   $REDIS_PASSWORD), every worker container RAY_gcs_rpc_server_reconnect_timeout_s=600 unless it sets it.
@@ -128,23 +126,6 @@ def ray_probe(group: dict, ray_version: str) -> tuple[int, str]:
     params = group.get("rayStartParams") or {}
     port = int(params.get("dashboard-agent-listen-port", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT))
     return port, RAY_NODE_HEALTH_PATH
-
-
-def shared_memory(group: dict) -> str | None:
-    """The sizeLimit of the /dev/shm emptyDir KubeRay adds to the group's Ray container (makeEmptyDirVolume:
-    findMemoryReqOrLimit), in bytes; None where the container mounts its own there."""
-    container = group["template"]["spec"]["containers"][0]
-    if any(m["mountPath"] == "/dev/shm" for m in container.get("volumeMounts", [])):
-        return None
-    resources = container.get("resources", {})
-    memory = resources.get("requests", {}).get("memory") or resources.get("limits", {}).get("memory")
-    return str(int(quantity(memory))) if memory else "50%"
-
-
-def pod_namespaces(group: dict) -> tuple[bool, str | None]:
-    """(shareProcessNamespace, the /dev/shm size KubeRay gives) of a group's pods as KubeRay creates them."""
-    spec = group["template"]["spec"]
-    return bool(spec.get("shareProcessNamespace")), shared_memory(group)
 
 
 DEFAULT_WORKER_GCS_RECONNECT_TIMEOUT_S = "600"

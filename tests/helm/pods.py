@@ -1,23 +1,7 @@
 """Pods as process trees for tests/helm/test_pods.py: each pod gets its own root directory (its /tmp,
 $HOME, cache and data volumes), each container one `bash -c` process tree, and a kubelet-like supervisor
 restarts a container whose process exits (restartPolicy Always). Every process of a pod carries the
-pod's id in its environment, so the pod is killed exactly: its own processes by pid, nothing else.
-
-What Kubernetes isolates, the pods here isolate too (`unshare`, `nsenter`; root only):
-- processes: each container its own PID namespace, its main process PID 1 there, as a container
-  runtime starts it; a pod whose spec says shareProcessNamespace gets one namespace for the pod, held by
-  a pause process (PID 1, reaping orphans, as the kubelet's pause container does) that each container
-  enters. A process sees only its namespace's processes (/proc is mounted for it): a Ray driver finds
-  its node's raylet by its process, so this is what decides whether a router can join its node.
-- mounts: each namespace has its own mount view: the pod's own tmp directory on /tmp (the emptyDir
-  its containers share), its home and cache directories at the paths the spec mounts them
-  (/home/specd, /var/cache/specd: a path the router hands its actors in their config names each pod's
-  own, as in Kubernetes), a tmpfs of the pod's size on /dev/shm (a Memory emptyDir there, else a
-  container runtime's 64 MB default), and every other pod's directory covered by an empty tmpfs.
-- network: not isolated. A network namespace of its own has only its own loopback; pods reaching each
-  other would need a bridge, a veth pair and an address per pod, created and removed as root on a
-  machine others share, and the Services' names resolved to them. Pods share the host's 127.0.0.1 and
-  each has ports of its own (tests/helm/release.py)."""
+pod's id in its environment, so the pod is killed exactly: its own processes by pid, nothing else."""
 
 from __future__ import annotations
 
@@ -38,23 +22,6 @@ from pathlib import Path
 import psutil
 
 MARKER = "SPECD_TEST_POD"
-CONTAINER_MARKER = "SPECD_TEST_CONTAINER"
-RUNTIME_SHM = "64m"         # a container runtime's /dev/shm when the pod mounts none there
-# the pause process: PID 1 of a pod's shared namespace, reaping the orphans reparented to it
-_PAUSE = ("import os, time\n"
-          "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        time.sleep(1)")
-# a container's process, once in its namespaces: into its working directory, then its command
-_ENTER = 'cd "$1" && exec bash -c "$2"'
-
-
-def isolation_available() -> str | None:
-    """None when this machine can give pods their own PID and mount namespaces; else why not."""
-    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
-        return "needs util-linux unshare and nsenter"
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--", "bash", "-c",
-                            "mount -t tmpfs probe /mnt && umount /mnt && test $$ = 1"],
-                           capture_output=True, text=True, timeout=30)
-    return None if probe.returncode == 0 else f"cannot make PID and mount namespaces: {probe.stderr.strip()}"
 
 
 def _ephemeral_low() -> int:
@@ -114,13 +81,6 @@ class Pod:
     containers: list[Container] = field(default_factory=list)
     alive: bool = False
     uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    share_processes: bool = False       # the rendered spec's shareProcessNamespace
-    shm: str = RUNTIME_SHM              # the size of its /dev/shm (tmpfs size=)
-    hidden: list[Path] = field(default_factory=list)     # other pods' directories, covered in its view
-    # mount path -> the pod's directory of that name; their parents are covered by a tmpfs in the pod's
-    # view (nothing is made on the host), so only paths below /home or /var/cache
-    volumes: dict[str, str] = field(default_factory=dict)
-    _pause: subprocess.Popen | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
     _dirs: set[Path] = field(default_factory=set)      # the pod's mounts: there again after a restart
 
@@ -130,68 +90,19 @@ class Pod:
         self._dirs.add(p)
         return p
 
-    def _mounts(self) -> str:
-        """Shell commands, run in a new mount namespace, that give it the pod's view."""
-        tmp, work = self.path("tmp"), self.path("work")
-        cmds = [f"mount --bind {tmp} /tmp", f"mount -t tmpfs -o size={self.shm} shm /dev/shm"]
-        parents = sorted({str(Path(target).parent) for target in self.volumes})
-        assert set(parents) <= {"/home", "/var/cache"}, parents
-        cmds += [f"mount -t tmpfs -o size=1m volumes {parent}" for parent in parents]
-        for target, name in sorted(self.volumes.items()):
-            cmds += [f"mkdir -p {target}", f"mount --bind {self.path(name)} {target}"]
-        cmds += [f"mount -t tmpfs -o size=1m hidden {d}" for d in self.hidden if d.is_dir()]
-        assert not any(work.is_relative_to(d) for d in self.hidden)
-        return " && ".join(cmds)
-
-    @staticmethod
-    def _new_namespaces(then: list[str]) -> list[str]:
-        return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--", *then]
-
-    def _start_pause(self) -> None:
-        """The pod's shared PID and mount namespace, held by its pause process."""
-        self._pause = subprocess.Popen(
-            self._new_namespaces(["bash", "-c", f"{self._mounts()} && exec python3 -c \"$0\"", _PAUSE]),
-            env={"PATH": os.environ["PATH"], MARKER: self.uid}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
-        # containers enter it once its mounts are made: when its PID 1 runs the pause itself
-        wait_for(lambda: "python" in _name(self._pause_pid()), 30, f"{self.name}: pause process", period=0.1)
-
-    def _pause_pid(self) -> int | None:
-        return main_pid(self._pause)
-
     def _spawn(self, c: Container) -> None:
         log = open(self.path("logs") / f"{c.name}.log", "ab")   # noqa: SIM115 (the child owns it)
-        env = {**c.env, MARKER: self.uid, CONTAINER_MARKER: f"{self.uid}/{c.name}"}
-        enter = ["bash", "-c", _ENTER, c.name, str(self.path("work")), c.command]
-        if self.share_processes:
-            argv = ["nsenter", f"--target={self._pause_pid()}", "--pid", "--mount", "--", *enter]
-        else:
-            argv = self._new_namespaces(["bash", "-c", f"{self._mounts()} && exec \"$@\"", "mounts", *enter])
-        c.proc = subprocess.Popen(argv, env=env, cwd=self.path("work"),
+        env = {**c.env, MARKER: self.uid}
+        c.proc = subprocess.Popen(["bash", "-c", c.command], env=env, cwd=self.path("work"),
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 
-    def _container_processes(self, c: Container) -> list[psutil.Process]:
-        return [p for p in self.processes() if _environ(p).get(CONTAINER_MARKER) == f"{self.uid}/{c.name}"]
-
     def _supervise(self, c: Container) -> None:
-        crashes, started = 0, time.monotonic()
         while self.alive:
             if c.proc is not None and c.proc.poll() is not None and self.alive:
-                # the runtime ends what is left of an exited container (in a pod's shared namespace
-                # its orphans live on under the pause process otherwise)
-                for p in self._container_processes(c):
-                    with contextlib.suppress(psutil.Error):
-                        p.kill()
-                # the kubelet's back-off, shortened (10 s doubling to 300 s there): growing, and apart
-                # for each container. Restarted in step, the Ray nodes of every pod on this 2-core
-                # machine crashed together again and again (a raylet gives up on an agent that has
-                # not started within about 15 s)
-                crashes = 0 if time.monotonic() - started > 60 else crashes + 1
-                time.sleep(min(16.0, 2.0 ** crashes) * random.uniform(0.5, 1.0))
+                time.sleep(1.0)                              # the kubelet's back-off, shortened
                 if self.alive:
                     c.restarts += 1
-                    started = time.monotonic()
                     self._spawn(c)
             time.sleep(0.5)
 
@@ -206,8 +117,6 @@ class Pod:
                 d.mkdir(parents=True, exist_ok=True)
         self.alive = True
         self._threads = []
-        if self.share_processes:
-            self._start_pause()
         for c in self.containers:
             self._spawn(c)
             t = threading.Thread(target=self._supervise, args=(c,), daemon=True)
@@ -215,21 +124,13 @@ class Pod:
             self._threads.append(t)
 
     def processes(self) -> list[psutil.Process]:
-        return [p for p in psutil.process_iter() if _environ(p).get(MARKER) == self.uid]
-
-    def pid_namespaces(self) -> dict[str, set[str]]:
-        """The PID namespaces (as /proc/<pid>/ns/pid names them) of each container's main process and its
-        descendants (not of unshare or nsenter, which stay in the host's; found from the main process, as
-        redis-server's rewritten title hides the marker)."""
-        out: dict[str, set[str]] = {}
-        for c in self.containers:
-            main = main_pid(c.proc)
-            if main is None:
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get(MARKER) == self.uid:
+                    out.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            with contextlib.suppress(psutil.Error):
-                for p in [psutil.Process(main), *psutil.Process(main).children(recursive=True)]:
-                    with contextlib.suppress(OSError):
-                        out.setdefault(c.name, set()).add(os.readlink(f"/proc/{p.pid}/ns/pid"))
         return out
 
     def kill(self) -> None:
@@ -237,25 +138,19 @@ class Pod:
         self.alive = False
         for t in self._threads:
             t.join(timeout=5)
-        # a namespace's PID 1 killed ends every process in it: each container's, and the pod's pause
-        for proc in [c.proc for c in self.containers] + [self._pause]:
-            if proc is not None and proc.poll() is None:
-                pid = main_pid(proc)
-                for target in ([pid] if pid else []) + [proc.pid]:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(target, signal.SIGKILL)
-                # the process group too (a process that rewrites its environment, as redis-server's
-                # title does, is not found by the marker)
+        for c in self.containers:
+            # the container's own process group (a process that rewrites its environment, as
+            # redis-server's title does, is not found by the marker)
+            if c.proc is not None and c.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.killpg(c.proc.pid, signal.SIGKILL)
         for p in self.processes():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
-        for proc in [c.proc for c in self.containers] + [self._pause]:
-            if proc is not None:
+        for c in self.containers:
+            if c.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=30)
-        self._pause = None
+                    c.proc.wait(timeout=30)
 
     def terminate(self, grace_s: float) -> float:
         """The pod deleted gracefully, as the kubelet deletes it (a drain, a rolling update): SIGTERM to
@@ -267,16 +162,12 @@ class Pod:
         t0 = time.monotonic()
 
         def stop(c: Container) -> None:         # per container, all at once: its preStop, then SIGTERM
-            main = main_pid(c.proc) if c.proc is not None else None
-            if c.pre_stop and main is not None:      # run in the container, as the kubelet execs it
+            if c.pre_stop:
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    subprocess.run(["nsenter", f"--target={main}", "--pid", "--mount", "--", *c.pre_stop],
-                                   env=c.env, timeout=grace_s)
-            # to the container's main process, as the runtime signals it (unshare and nsenter, its
-            # parents here, pass no signal on)
-            if main is not None:
+                    subprocess.run(c.pre_stop, env=c.env, timeout=grace_s)
+            if c.proc is not None and c.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(main, signal.SIGTERM)
+                    os.kill(c.proc.pid, signal.SIGTERM)
 
         for c in self.containers:
             threading.Thread(target=stop, args=(c,), daemon=True).start()
@@ -305,32 +196,6 @@ class Pod:
             if path.exists():
                 parts.append(f"--- {self.name}/{c.name} ---\n" + path.read_text(errors="replace")[-chars:])
         return "\n".join(parts)
-
-
-def main_pid(proc: subprocess.Popen | None) -> int | None:
-    """The host's pid of the process that unshare or nsenter started: a container's main process (PID 1
-    of its own namespace), or a pod's pause."""
-    if proc is None or proc.poll() is not None:
-        return None
-    with contextlib.suppress(psutil.Error):
-        children = psutil.Process(proc.pid).children()
-        if children:
-            return children[0].pid
-    return None
-
-
-def _name(pid: int | None) -> str:
-    try:
-        return psutil.Process(pid).name() if pid is not None else ""
-    except psutil.Error:
-        return ""
-
-
-def _environ(p: psutil.Process) -> dict[str, str]:
-    try:
-        return p.environ()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return {}
 
 
 def self_signed(directory: Path, name: str) -> tuple[str, str]:

@@ -10,12 +10,6 @@ process tree (tests/helm/pods.py) started from the rendered manifests.
   rendered overrides file (the Services' hostnames -> 127.0.0.1, devices -> cpu; TLS and tokens from
   files written here), probed with the gRPC health check on the health port.
 
-Each container runs in the namespaces Kubernetes gives it (tests/helm/pods.py): a PID namespace of its
-own, or its pod's where the rendered pod spec says shareProcessNamespace; its pod's own /tmp and a /dev/shm
-of the size the spec mounts there (KubeRay adds one to its own Ray containers, kuberay.shared_memory),
-other pods' directories out of sight. The release's directory is not under /tmp (each pod's /tmp covers
-the host's); Ray's default temp dir, /tmp/ray, is each pod's own, as in Kubernetes.
-
 Kubernetes gives every pod its own IP; here every pod shares 127.0.0.1, so each pod of a group (and each
 router) gets ports of its own: the only thing this stand-in changes in a pod's command.
 """
@@ -34,23 +28,12 @@ from pathlib import Path
 import yaml
 
 from tests.helm import kuberay
-from tests.helm.pods import (
-    RUNTIME_SHM,
-    Container,
-    Pod,
-    free_port,
-    free_ports,
-    grpc_serving,
-    http_ok,
-    self_signed,
-    tcp_ok,
-)
+from tests.helm.pods import Container, Pod, free_port, free_ports, grpc_serving, http_ok, self_signed, tcp_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "specd"
 REDIS_ADDRESS = "rel-specd-redis.specd.svc:6379"   # the Redis Service's, as the chart renders it
 STORAGE_NAMESPACE = "rel-uid"           # the RayCluster's UID: KubeRay's GCS storage namespace
-WRITABLE = ("/home/specd", "/var/cache/specd")   # emptyDirs of every specd container, at their own paths
 _RAY_PORTS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
               "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")
 
@@ -81,14 +64,14 @@ def build_image(root: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
-def ray_params(head: bool) -> dict[str, str]:
-    """Ports no other Ray cluster on this machine uses (other engineers run theirs beside): in Kubernetes
-    every pod has its own IP. Test-only rayStartParams."""
+def ray_params(pod_root: Path, head: bool) -> dict[str, str]:
+    """Ports no other Ray cluster on this machine uses (other engineers run theirs beside), and the pod's
+    own /tmp/ray: in Kubernetes every pod has its own /tmp and IP. Test-only rayStartParams."""
     names = list(_RAY_PORTS) + (["port", "ray-client-server-port"] if head else [])
     ports = {n: str(free_port()) for n in names}
     base = free_ports(61)
     ports.update({"min-worker-port": str(base), "max-worker-port": str(base + 60),
-                  "object-store-memory": "80000000"})
+                  "object-store-memory": "80000000", "temp-dir": str(pod_root / "tmp" / "ray")})
     return ports
 
 
@@ -96,17 +79,18 @@ def router_ports() -> dict[str, int]:
     return {"grpc": free_port(), "health": free_port(), "metrics": free_port(), "http": free_port()}
 
 
-def render(image_target: Path, image_drafter: Path, ports: dict, config: dict, routers: int) -> list[dict]:
+def render(image_target: Path, image_drafter: Path, ports: dict, root: Path, config: dict,
+           routers: int) -> list[dict]:
     small = {"cpu": "2", "memory": "2Gi", "gpus": 0}
     values = {
         "model": {"path": str(image_target), "drafterPath": str(image_drafter)},
-        "head": {"cpu": "1", "memory": "2Gi", "rayStartParams": ray_params(True)},
+        "head": {"cpu": "1", "memory": "2Gi", "rayStartParams": ray_params(root / "head", True)},
         "router": {"replicas": routers, "port": ports["grpc"], "healthPort": ports["health"],
                    "metricsPort": ports["metrics"], "httpPort": ports["http"], "cpu": "1", "memory": "2Gi",
-                   "rayStartParams": ray_params(False)},
-        "target": {**small, "rayStartParams": ray_params(False)},
-        "draft": {**small, "rayStartParams": ray_params(False)},
-        "trainer": {**small, "rayStartParams": ray_params(False)},
+                   "rayStartParams": ray_params(root / "router", False)},
+        "target": {**small, "rayStartParams": ray_params(root / "target", False)},
+        "draft": {**small, "rayStartParams": ray_params(root / "draft", False)},
+        "trainer": {**small, "rayStartParams": ray_params(root / "trainer", False)},
         "config": config,
     }
     import helm_python
@@ -122,25 +106,14 @@ def secret_value(docs: list[dict], name: str, key: str) -> str:
     return base64.b64decode(secret["data"][key]).decode()
 
 
-def own_ports(command: str) -> str:
-    """A pod's rendered `ray start` with ports of its own: its own IP's stand-in."""
+def own_ports(command: str, pod_root: Path) -> str:
+    """A pod's rendered `ray start` with ports (and /tmp) of its own: its own IP's stand-in."""
     for name in _RAY_PORTS:
         command = re.sub(rf"--{name}=\d+", f"--{name}={free_port()}", command)
     base = free_ports(61)
     command = re.sub(r"--min-worker-port=\d+", f"--min-worker-port={base}", command)
-    return re.sub(r"--max-worker-port=\d+", f"--max-worker-port={base + 60}", command)
-
-
-def shm_size(pod_spec: dict) -> str:
-    """The size of a pod's /dev/shm: a memory emptyDir's sizeLimit where a container mounts one there,
-    else a container runtime's default."""
-    volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
-    for c in pod_spec["containers"]:
-        for m in c.get("volumeMounts", []):
-            empty = volumes.get(m["name"], {}).get("emptyDir")
-            if m["mountPath"] == "/dev/shm" and empty is not None and empty.get("medium") == "Memory":
-                return str(int(kuberay.quantity(empty["sizeLimit"]))) if "sizeLimit" in empty else "50%"
-    return RUNTIME_SHM
+    command = re.sub(r"--max-worker-port=\d+", f"--max-worker-port={base + 60}", command)
+    return re.sub(r"--temp-dir=\S+", f"--temp-dir={pod_root / 'tmp' / 'ray'}", command)
 
 
 class Release:
@@ -157,7 +130,7 @@ class Release:
         self.pods: dict[str, Pod] = {}
         self.probes: dict[str, tuple[int, str]] = {}
         secrets = root / "secrets"
-        secrets.mkdir(parents=True)
+        secrets.mkdir()
         self.cert, key = self_signed(secrets, "router")
         self.token = secret_value(docs, "rel-specd-token", "token").splitlines()[0]
         (secrets / "token").write_text(self.token + "\n")
@@ -170,8 +143,6 @@ class Release:
         self.trainer_store = root / "trainer" / "volume"      # the trainer's PVC
         self._redis(root)
         head = self.pods["head"] = Pod("head", root / "head")
-        head.share_processes, shm = kuberay.pod_namespaces(self.head_group)
-        head.shm = shm or shm_size(self.head_group["template"]["spec"])
         c = self.head_group["template"]["spec"]["containers"][0]
         head.containers.append(Container("ray-head", kuberay.ray_start_command(self.head_group, head=True),
                                          self.env(c, head)))
@@ -186,25 +157,23 @@ class Release:
         self.router_grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert len(self.routers) == len(ports), "one set of ports per router pod"
         for i, name in enumerate(self.routers):
-            self._router(root, name, deployment["spec"]["template"]["spec"], ports[i])
-        for pod in self.pods.values():      # a pod sees its own volumes, not another's
-            pod.hidden = [other.root for other in self.pods.values() if other is not pod]
+            self._router(root, name, deployment["spec"]["template"]["spec"]["containers"], ports[i])
 
     def env(self, container: dict, pod: Pod) -> dict[str, str]:
-        """The container's rendered env (Secret references resolved, Services' hostnames -> 127.0.0.1);
-        its home and cache emptyDirs mounted where the spec mounts them (Pod.volumes)."""
-        for m in container.get("volumeMounts", []):
-            if m["mountPath"] in WRITABLE:
-                pod.volumes[m["mountPath"]] = m["name"]
+        """The container's rendered env (Secret references resolved, Services' hostnames -> 127.0.0.1),
+        its mounts mapped to the pod's dirs."""
+        mounts = {"/home/specd": str(pod.path("home")), "/var/cache/specd": str(pod.path("cache"))}
         # HOSTNAME: the kubelet sets it to the pod's name in every container
-        env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOSTNAME": pod.name,
-               "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "TMPDIR": str(pod.path("tmp")),
+               "HOSTNAME": pod.name,
+               "RAY_TMPDIR": str(pod.path("tmp")), "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
         if "gcsFaultToleranceOptions" not in self.ray_spec:
             # a worker whose head is gone exits after this long, and the kubelet starts it again
             env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "20"
         for e in container.get("env", []):
             if "value" in e:
-                env[e["name"]] = e["value"].replace(REDIS_ADDRESS, f"127.0.0.1:{self.redis_port}")
+                value = mounts.get(e["value"], e["value"])
+                env[e["name"]] = value.replace(REDIS_ADDRESS, f"127.0.0.1:{self.redis_port}")
             else:
                 ref = e["valueFrom"]["secretKeyRef"]
                 env[e["name"]] = secret_value(self.docs, ref["name"], ref["key"])
@@ -214,8 +183,6 @@ class Release:
         sts = next(d for d in self.docs if d["kind"] == "StatefulSet")
         c = sts["spec"]["template"]["spec"]["containers"][0]
         pod = self.pods["redis"] = Pod("redis", root / "redis")
-        pod.share_processes = bool(sts["spec"]["template"]["spec"].get("shareProcessNamespace"))
-        pod.shm = shm_size(sts["spec"]["template"]["spec"])
         # a PersistentVolumeClaim outlives the pod (the stand-in's `volume`); an emptyDir does not
         data = pod.path("volume" if sts["spec"].get("volumeClaimTemplates") else "data")
         cmd = c["command"][2].replace("--dir /data", f"--dir {data}")
@@ -228,22 +195,19 @@ class Release:
             pod_name = name if replicas == 1 else f"{name}-{i}"
             pod = self.pods[pod_name] = Pod(pod_name, root / pod_name)
             own = copy.deepcopy(group)
-            own["rayStartParams"].update(ray_params(head=False))
+            own["rayStartParams"].update(ray_params(pod.root, head=False))
             own = kuberay.with_gcs_fault_tolerance(self.ray_spec, own, False, STORAGE_NAMESPACE)
-            pod.share_processes, shm = kuberay.pod_namespaces(own)
-            pod.shm = shm or shm_size(own["template"]["spec"])
             c = own["template"]["spec"]["containers"][0]
             pod.containers.append(Container("ray-worker", kuberay.ray_start_command(own, head=False,
                                                                                  head_port=self.head_port),
                                             self.env(c, pod)))
             self.probes[pod_name] = kuberay.ray_probe(own, self.ray_version)
 
-    def _router(self, root: Path, name: str, spec: dict, ports: dict) -> None:
+    def _router(self, root: Path, name: str, containers: list[dict], ports: dict) -> None:
         pod = self.pods[name] = Pod(name, root / name)
-        pod.share_processes, pod.shm = bool(spec.get("shareProcessNamespace")), shm_size(spec)
-        ray_c, router_c = spec["containers"]
+        ray_c, router_c = containers
         assert ray_c["command"][:2] == ["bash", "-c"]
-        cmd = own_ports(ray_c["command"][2])
+        cmd = own_ports(ray_c["command"][2], pod.root)
         cmd = re.sub(r"--address=\S+", f"--address=127.0.0.1:{self.head_port}", cmd)
         pre_stop = ray_c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
         pod.containers.append(Container("ray-worker", cmd, self.env(ray_c, pod), pre_stop=pre_stop))

@@ -2,12 +2,6 @@
 its own /tmp, $HOME, cache and volumes, and nothing shared on disk but what every pod's image holds (the
 target and the first-start drafter). tests/helm/release.py says how each pod's command comes from the
 rendered manifests (KubeRay's `ray start` from tests/helm/kuberay.py, the routers' Deployment as written).
-Each container is isolated as Kubernetes isolates it (tests/helm/pods.py): a PID namespace of its own (or
-its pod's, where the spec shares one), its pod's /tmp and /dev/shm, no other pod's files.
-
-The control first: the chart with its router pod's shareProcessNamespace taken out (the chart before
-issue 73), under the same isolation: the router's Ray node joins the head, and the router beside it never
-connects (a Ray driver attaches only to a raylet process it can see) and never serves.
 
 The release as the chart makes it by default: two routers in their own pods, each a Ray node and driver
 owning its own target and draft pods' actors, one trainer pod, the head (GCS only) with GCS fault
@@ -39,14 +33,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.helm.pods import grpc_serving, http_ok, isolation_available, wait_for
+from tests.helm.pods import wait_for
 from tests.helm.release import Release, build_image, render, router_ports
 
 helm_python = pytest.importorskip("helm_python")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,    # eight Ray nodes, Redis, two routers: minutes
-              pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
-              # without the isolation a router passes here where Kubernetes would not serve a request
-              pytest.mark.skipif(isolation_available() is not None, reason=str(isolation_available()))]
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]
 
 PROMPTS = ["What is 2 + 3?", "Name a colour.", "Write one word about the sea.", "Count to five."]
 NEW_TOKENS = 12
@@ -64,112 +56,23 @@ TEST_CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def image():
-    """The directory of the module's releases (not under /tmp: every pod's /tmp covers the host's) and
-    what every pod's image holds."""
-    root = Path(tempfile.mkdtemp(prefix="kp", dir="/var/tmp"))
+def release():
+    root = Path(tempfile.mkdtemp(prefix="kp", dir="/tmp"))       # short: Ray's socket paths live below
     try:
-        yield root, *build_image(root / "image")
+        target, drafter = build_image(root / "image")
+        ports = [router_ports() for _ in range(ROUTERS)]
+        rel = Release(root, render(target, drafter, ports[0], root, TEST_CONFIG, ROUTERS), ports)
+        try:
+            for pod in rel.pods.values():
+                pod.start()
+            for name in rel.pods:
+                wait_for(lambda n=name: rel.ready(n), 600, f"pod {name} ready", tail=rel.tail)
+            yield rel
+        finally:
+            for pod in rel.pods.values():
+                pod.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-CONTROL_WAIT_S = 180
-
-
-def test_control_a_router_in_a_process_namespace_of_its_own_never_joins_its_node(image) -> None:
-    """The chart as it was before issue 73 (no shareProcessNamespace on the router pod), run under the same
-    isolation: its Ray node joins the head and is healthy, yet the router beside it finds no node to attach
-    to and never serves. Redis, the head and one router pod only (nothing else is reached first)."""
-    root, target, drafter = image
-    ports = [router_ports()]
-    # the router gives up after ray.connect_timeout_s; each try waits RAY_gcs_server_request_timeout_seconds
-    # (60 s by default) for a raylet process to appear: shortened, so the control ends within a minute
-    docs = render(target, drafter, ports[0], {**TEST_CONFIG, "ray.connect_timeout_s": 10}, 1)
-    spec = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
-    assert spec.pop("shareProcessNamespace") is True
-    router_c = next(c for c in spec["containers"] if c["name"] == "router")
-    router_c["env"].append({"name": "RAY_gcs_server_request_timeout_seconds", "value": "10"})
-    rel = Release(root / "control", docs, ports)
-    pods = [rel.pods[n] for n in ("redis", "head", "router-0")]
-    router = rel.pods["router-0"]
-    assert not router.share_processes
-    log = router.root / "logs" / "router.log"
-    t0 = time.monotonic()
-    try:
-        for pod in pods:
-            pod.start()
-        for name in ("redis", "head"):
-            wait_for(lambda n=name: rel.ready(n), 300, f"pod {name} ready", tail=rel.tail)
-        node_up = wait_for(lambda: http_ok(*rel.probes["router-0"]), 300, "the router pod's Ray node",
-                           tail=rel.tail)
-        failed = None
-        while failed is None:
-            assert not grpc_serving(ports[0]["health"]), "the router serves without seeing its node"
-            text = log.read_text(errors="replace") if log.exists() else ""
-            if "Failed to connect to Ray cluster" in text:
-                failed = time.monotonic() - t0
-            assert time.monotonic() - t0 < CONTROL_WAIT_S, f"no connect failure\n{rel.tail()}"
-            time.sleep(1.0)
-        assert http_ok(*rel.probes["router-0"]), "its Ray node went down"
-        spaces = router.pid_namespaces()
-        assert spaces.get("router", set()).isdisjoint(spaces["ray-worker"]), spaces
-    finally:
-        for pod in pods:
-            pod.stop()
-    lines = [line for line in text.splitlines() if "Error" in line or "Failed to connect" in line]
-    print(f"\ncontrol (router pod without shareProcessNamespace): its Ray node healthy after {node_up:.1f} "
-          f"s; the router failed to connect after {failed:.1f} s and never served:\n  "
-          + "\n  ".join(lines[-4:]))
-
-
-@pytest.fixture(scope="module")
-def release(image):
-    root, target, drafter = image
-    ports = [router_ports() for _ in range(ROUTERS)]
-    rel = Release(root / "rel", render(target, drafter, ports[0], TEST_CONFIG, ROUTERS), ports)
-    try:
-        t0 = time.monotonic()
-        # Redis and the head first: KubeRay's worker pods wait for the GCS in an init container
-        # (wait-gcs-ready) before their `ray start`, and the routers' Ray nodes need it as much
-        first = ("redis", "head")
-        for name in first:
-            rel.pods[name].start()
-        for name in first:
-            wait_for(lambda n=name: rel.ready(n), 600, f"pod {name} ready", tail=rel.tail)
-        # then one Ray pod at a time: on 2 shared cores the Ray nodes of 7 pods started at once could not
-        # start their agents within the raylet's wait (about 15 s), and crashed together again and again
-        for name, pod in rel.pods.items():
-            if name not in first and name not in rel.routers:
-                pod.start()
-                wait_for(lambda n=name: rel.ready(n), 600, f"pod {name} ready", tail=rel.tail)
-        for name in rel.routers:
-            rel.pods[name].start()
-        for name in rel.pods:
-            wait_for(lambda n=name: rel.ready(n), 600, f"pod {name} ready", tail=rel.tail)
-        shared = sorted(n for n, pod in rel.pods.items() if pod.share_processes)
-        print(f"\n{len(rel.pods)} pods ready after {time.monotonic() - t0:.0f} s, each container in a PID "
-              f"namespace of its own except the pods that share one: {', '.join(shared)}", flush=True)
-        yield rel
-    finally:
-        for pod in rel.pods.values():
-            pod.stop()
-
-
-def test_the_pods_are_isolated_as_kubernetes_isolates_them(release) -> None:
-    """Every container in its own PID namespace, a router pod's two in one; no two pods in one."""
-    seen: dict[str, str] = {}
-    for name, pod in release.pods.items():
-        spaces = pod.pid_namespaces()
-        assert set(spaces) == {c.name for c in pod.containers}, (name, spaces)
-        every = set().union(*spaces.values())
-        if pod.share_processes:
-            assert len(every) == 1, (name, spaces)
-        else:
-            assert all(len(s) == 1 for s in spaces.values()) and len(every) == len(spaces), (name, spaces)
-        for space in every:
-            assert seen.setdefault(space, name) == name, f"{name} and {seen[space]} share {space}"
-    assert {n for n, pod in release.pods.items() if pod.share_processes} == set(release.routers)
 
 
 @pytest.fixture(scope="module")
