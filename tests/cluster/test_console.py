@@ -39,7 +39,7 @@ def _emit() -> None:
     console.phase("model %s ready", "M")
     logging.getLogger("specd.cluster.serve").info("an INFO of specd's")
     logging.getLogger("specd.cluster.online").warning("a warning of specd's")
-    logging.getLogger("ray._private.worker").warning("SIGTERM handler is not set")
+    logging.getLogger("ray._private.worker").warning("SIGTERM handler is not set")   # after quiet_ray_logger
     logging.getLogger("some.library").error("a third-party error")
     try:
         raise RuntimeError("boom")
@@ -51,6 +51,10 @@ def _run(tmp_path, monkeypatch, verbose: bool) -> tuple[str, str]:
     err = io.StringIO()
     monkeypatch.setattr("sys.stderr", err)
     log_file = console.setup(verbose, tmp_path / "logs" / "serve.log")
+    ray_log = logging.getLogger("ray")       # as serve does before ray.init; Ray's own state comes back
+    monkeypatch.setattr(ray_log, "handlers", list(ray_log.handlers))
+    monkeypatch.setattr(ray_log, "propagate", ray_log.propagate)
+    console.quiet_ray_logger(False)
     _emit()
     for handler in logging.getLogger().handlers:
         handler.flush()
