@@ -80,8 +80,7 @@ class VllmTarget:
         cancel or a deadline leaves its training signal too, as one that ends at EOS does."""
         with self._lock:
             wanted = set(request_ids)
-            live = {seq.request_id: seq for seq, _, _ in self.engine._live.values()
-                    if seq.request_id in wanted}
+            live = {rid: seq for rid, seq in self.engine.live().items() if rid in wanted}
             self.engine.abort(request_ids)
             ended = [FinishOut(rid, str(FinishReason.CANCELLED), seq.stats, self._records.pop(rid, []),
                                self.engine.version()) for rid, seq in live.items()]
@@ -102,7 +101,7 @@ class VllmTarget:
         request must leave both)."""
         with self._lock:
             return {
-                "running": len(self.engine._live),
+                "running": len(self.engine.live()),
                 "vllm_unfinished": self.engine.llm.llm_engine.get_num_unfinished_requests(),
                 "steps": self.steps,
                 "busy_s": self.busy_s,
@@ -166,10 +165,10 @@ class VllmTarget:
         return self.engine.step(on_step, on_record)
 
     def _fail_all(self, error: str) -> list[FinishOut]:
-        ids = [seq.request_id for seq, _, _ in self.engine._live.values()]
+        ids = list(self.engine.live())
         try:
             self.engine.abort(ids)
         except Exception:  # the engine is broken already; the router still gets the ends
             log.exception("abort after a failed step failed")
-            self.engine._live.clear()
+            self.engine.forget_all()
         return [FinishOut(rid, str(FinishReason.ERROR), RequestStats(), error=error) for rid in ids]

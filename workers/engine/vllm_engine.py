@@ -416,6 +416,14 @@ class VllmEngine:
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
+    def live(self) -> dict[str, Sequence]:
+        """The requests vLLM still holds, by our request id."""
+        return {entry[0].request_id: entry[0] for entry in self._live.values()}
+
+    def forget_all(self) -> None:
+        """Drops every request without asking vLLM (its engine failed; nothing is left to abort)."""
+        self._live.clear()
+
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests by our ids; their Sequences finish with reason CANCELLED."""
         wanted = set(request_ids)
