@@ -27,6 +27,9 @@ import pytest
 CI_SKIPS = {
     "tests/workers/engine/test_static_decode.py::test_cuda_graphs_match_eager":
         "CUDA graph capture needs a GPU; CI's machine has none (run on a lent GPU: scripts/gpu_bench.sh)",
+    "tests/helm/test_pods.py::test_a_head_restart_fails_no_request":
+        "the release's 9 pods share CI's 2 cores: the restarted head's raylet gives up on its dashboard "
+        "agent at every start (Ray's fixed ~15 s port-file wait; issue 73, docs/reliability.md)",
 }
 
 # Short-lived processes that libraries start on their own (ctypes.util.find_library runs ldconfig,

@@ -81,10 +81,6 @@ class Pod:
     containers: list[Container] = field(default_factory=list)
     alive: bool = False
     uid: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    # The scheduling priority of the pod's processes (a nice value; negative needs root). Kubernetes
-    # gives a pod the CPU it requests whatever its neighbours do; on a machine that runs every pod of the
-    # release, a pod that must start while the others serve and train gets that share as priority.
-    nice: int = 0
     _threads: list[threading.Thread] = field(default_factory=list)
     _dirs: set[Path] = field(default_factory=set)      # the pod's mounts: there again after a restart
 
@@ -97,8 +93,7 @@ class Pod:
     def _spawn(self, c: Container) -> None:
         log = open(self.path("logs") / f"{c.name}.log", "ab")   # noqa: SIM115 (the child owns it)
         env = {**c.env, MARKER: self.uid}
-        prefix = ["nice", "-n", str(self.nice)] if self.nice and (self.nice > 0 or os.geteuid() == 0) else []
-        c.proc = subprocess.Popen([*prefix, "bash", "-c", c.command], env=env, cwd=self.path("work"),
+        c.proc = subprocess.Popen(["bash", "-c", c.command], env=env, cwd=self.path("work"),
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
 

@@ -142,11 +142,7 @@ class Release:
         self.head_port = kuberay.head_port(self.head_group)
         self.trainer_store = root / "trainer" / "volume"      # the trainer's PVC
         self._redis(root)
-        # The head's raylet gives its dashboard agent a fixed 15 s to write its port file (Ray 2.60,
-        # WaitForDashboardAgentPorts; the raylet is not told the agent's fixed port): restarted under
-        # the release's traffic on two shared cores the agent's imports alone took 35 s and the head
-        # crash-looped. In a cluster the head's CPU request (1 core) is its own.
-        head = self.pods["head"] = Pod("head", root / "head", nice=-10)
+        head = self.pods["head"] = Pod("head", root / "head")
         c = self.head_group["template"]["spec"]["containers"][0]
         head.containers.append(Container("ray-head", kuberay.ray_start_command(self.head_group, head=True),
                                          self.env(c, head)))
