@@ -190,7 +190,12 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release, reference) -
     assert names == {f"router-{i}" for i in range(ROUTERS)}, names
 
     effects = {}
-    for name in ("trainer", "draft-0", "target-0", "redis"):
+    # Redis holds the GCS's tables (fault tolerance): its pod killed, the head's GCS exits and the head
+    # restarts, which fails below HEAD_RESTART_MIN_CORES as the head-restart phase does
+    killed_pods = ("trainer", "draft-0", "target-0")
+    if enough_cores_for_a_head_restart():
+        killed_pods += ("redis",)
+    for name in killed_pods:
         pod = release.pods[name]
         serving_before = release.redis_current()
         killed = time.monotonic()
@@ -235,7 +240,7 @@ def test_pods_serve_learn_across_pods_and_survive_restarts(release, reference) -
                     break
                 assert time.monotonic() < deadline, (name, serving, versions_of(out))
                 serving = release.redis_current()
-    assert set(effects) == {"trainer", "draft-0", "target-0", "redis"}
+    assert set(effects) == set(killed_pods)
     c.close()
 
 
@@ -256,7 +261,11 @@ def restart(release, name: str) -> tuple[float, float]:
 HEAD_RESTART_MIN_CORES = 4
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < HEAD_RESTART_MIN_CORES,
+def enough_cores_for_a_head_restart() -> bool:
+    return (os.cpu_count() or 1) >= HEAD_RESTART_MIN_CORES
+
+
+@pytest.mark.skipif(not enough_cores_for_a_head_restart(),
                     reason=f"the restarted head's raylet gives up on its dashboard agent on fewer than "
                            f"{HEAD_RESTART_MIN_CORES} cores shared by every pod (Ray's fixed port-file wait)")
 def test_a_head_restart_fails_no_request(release, reference) -> None:
