@@ -281,7 +281,7 @@ def test_vllm_backend_greedy_equals_vllm_greedy_on_gsm8k(monkeypatch, boot_draft
     """boot_drafter_dir (tests/conftest.py): the token-only model drafter, built when the cache has
     none, so both drafter kinds run on a fresh machine too."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    prompts, n = gsm8k_prompts(20), 128
+    prompts, n = gsm8k_prompts(8), 96
     # a fixed γ: whether the goodput default drafts sampled rows after the greedy ones is its own choice
     base = ["target.max_slots=20", "target.max_seq_len=512", "spec.gamma=4", "spec.policy=fixed"]
     reference, _, _ = run_vllm(load_config(base), "none", prompts, n)
