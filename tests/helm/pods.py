@@ -129,9 +129,8 @@ class Pod:
         for p in psutil.process_iter():
             try:
                 # Ray's dashboard agent gets an environment of its own (no marker) and leaves the
-                # container's process group, but keeps its working directory: a killed head's agent that
-                # outlived its pod held the pod's fixed agent ports, and the restarted head's agent could
-                # not write its port file in the raylet's ~15 s (the head crash-looped)
+                # container's process group, but keeps its working directory: found by neither, a killed
+                # pod's agents outlived it, holding the pod's fixed agent ports
                 if p.environ().get(MARKER) == self.uid or p.cwd().startswith(work):
                     out.append(p)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

@@ -255,9 +255,8 @@ def restart(release, name: str) -> tuple[float, float]:
 
 
 # The restarted head's raylet waits a fixed ~15 s for its dashboard agent's port files (Ray 2.60,
-# WaitForDashboardAgentPorts: `ray start` does not pass the raylet the agent's fixed listen port). With the
-# whole release serving and training on two shared cores the agent missed it at every start, 10-18 starts
-# in 600 s, in CI and here, also with the head's processes at nice -10 (docs/reliability.md).
+# WaitForDashboardAgentPorts: `ray start` does not pass the raylet the agent's fixed listen port); with
+# every pod on two shared cores the agent misses it (what was measured and tried: docs/reliability.md).
 HEAD_RESTART_MIN_CORES = 4
 
 
